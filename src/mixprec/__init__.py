@@ -1,0 +1,61 @@
+"""mixprec: mixed-precision training for PyTorch that is correct by construction.
+
+The public API is what ``__all__`` lists. Names are imported lazily (PEP 562) so that
+``import mixprec`` and the command-line tool stay fast and ``mixprec lint`` never loads torch.
+
+>>> import mixprec
+>>> mixprec.get_policy("p=f32,c=bf16")
+Policy(param_dtype=torch.float32, compute_dtype=torch.bfloat16, output_dtype=torch.bfloat16)
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it. One table, pinned by tests/test_public_api.py.
+_EXPORTS: dict[str, str] = {
+    # formats
+    "FloatFormat": "mixprec.formats",
+    "get_format": "mixprec.formats",
+    # policies and recipes
+    "Policy": "mixprec.policy",
+    "get_policy": "mixprec.policy",
+    "Recipe": "mixprec.recipes",
+    "get_recipe": "mixprec.recipes",
+    "resolve_recipe": "mixprec.recipes",
+    "list_recipes": "mixprec.recipes",
+    "register_recipe": "mixprec.recipes",
+    # loss scaling
+    "GradScaler": "mixprec.scaling",
+    "StaticLossScaler": "mixprec.scaling",
+    "NoOpScaler": "mixprec.scaling",
+    "ScaleFloorError": "mixprec.scaling",
+    # fp32 islands
+    "fp32_island": "mixprec.islands",
+    "Fp32Island": "mixprec.islands",
+    "keep_fp32": "mixprec.islands",
+    "Fp32LayerNorm": "mixprec.islands",
+    "Fp32GroupNorm": "mixprec.islands",
+    "Fp32RMSNorm": "mixprec.islands",
+    # the training step
+    "MixedPrecision": "mixprec.training",
+    "StepStats": "mixprec.training",
+}
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'mixprec' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # cache: the next lookup is a plain attribute read
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

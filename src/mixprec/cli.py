@@ -1,0 +1,59 @@
+"""The ``mixprec`` command.
+
+Each subcommand lives in its own module with three names: ``HELP`` (one line), ``configure(parser)``
+(adds its arguments) and ``run(args) -> int`` (the exit code). Those modules import torch only inside
+``run``, so ``mixprec --help`` and ``mixprec lint`` start without loading torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand -> module. The order here is the order in --help.
+SUBCOMMANDS: dict[str, str] = {
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from mixprec import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="mixprec",
+        description=(
+            "Mixed-precision training for PyTorch: choose a recipe, check on your own model "
+            "that 16-bit training tracks fp32, and find where it breaks."
+        ),
+        epilog="Run 'mixprec COMMAND --help' for the options of one command.",
+    )
+    parser.add_argument("--version", action="version", version=f"mixprec {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, module_name in SUBCOMMANDS.items():
+        module = importlib.import_module(module_name)
+        p = sub.add_parser(
+            name,
+            help=module.HELP,
+            description=getattr(module, "DESCRIPTION", module.HELP),
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        module.configure(p)
+        p.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "_run", None) is None:
+        parser.print_help()
+        return 2
+    try:
+        return int(args._run(args) or 0)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
