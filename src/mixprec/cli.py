@@ -13,6 +13,15 @@ import sys
 
 # subcommand -> module. The order here is the order in --help.
 SUBCOMMANDS: dict[str, str] = {
+    # compare (issue 3)
+    "recipes": "mixprec.recipes_cli",
+    # doctor (issue 4)
+
+    # memory (issue 5)
+
+    # lint (issue 6)
+
+    # bench (issue 7)
 }
 
 

@@ -1,0 +1,261 @@
+"""fp32 islands: regions and modules that run in fp32 inside a 16-bit forward.
+
+Three tools:
+
+- ``fp32_island()``: a context manager; autocast is off inside, so ops run in the dtype of their
+  inputs (cast them up with ``.float()``, or let ``Fp32Island`` do it for a module).
+- ``keep_fp32(model, rule)``: make chosen submodules islands: autocast off inside, floating inputs
+  cast to fp32, floating outputs cast back to the 16-bit dtype the module received. Parameters and
+  state-dict keys are untouched (it is done with forward hooks).
+- ``Fp32LayerNorm`` / ``Fp32GroupNorm`` / ``Fp32RMSNorm``: norms whose statistics are computed in
+  fp32 whatever the input and parameter dtypes are (also with 16-bit stored weights).
+
+Why norms: under CPU autocast ``layer_norm`` is not on the fp32 list and runs in bf16 (on CUDA it
+runs in fp32), and a variance of small activations underflows in fp16. An island makes the
+numerics the same on every device.
+
+>>> import torch
+>>> net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+>>> keep_fp32(net, ["norms"])
+['1']
+>>> with torch.autocast("cpu", dtype=torch.bfloat16):
+...     y = net(torch.randn(2, 4))
+>>> y.dtype  # the island computed in fp32 and handed back the dtype it was given
+torch.bfloat16
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixprec.policy import cast_floating
+
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+@contextlib.contextmanager
+def fp32_island(device_type: str | None = None) -> Iterator[None]:
+    """Autocast off inside (for ``device_type``, or for CPU and CUDA when None).
+
+    Inputs keep their dtype: cast 16-bit tensors up yourself (``h.float()``).
+    """
+    types = (device_type,) if device_type else tuple(d for d in _AUTOCAST_DEVICES if torch.amp.is_autocast_available(d))
+    with contextlib.ExitStack() as stack:
+        for t in types:
+            stack.enter_context(torch.autocast(t, enabled=False))
+        yield
+
+
+def _first_floating_dtype(obj: Any) -> torch.dtype | None:
+    if isinstance(obj, torch.Tensor):
+        return obj.dtype if obj.is_floating_point() else None
+    if isinstance(obj, dict):
+        obj = list(obj.values())
+    if isinstance(obj, (list, tuple)):
+        for item in obj:
+            d = _first_floating_dtype(item)
+            if d is not None:
+                return d
+    return None
+
+
+def _first_device_type(obj: Any) -> str | None:
+    if isinstance(obj, torch.Tensor):
+        return obj.device.type
+    if isinstance(obj, dict):
+        obj = list(obj.values())
+    if isinstance(obj, (list, tuple)):
+        for item in obj:
+            d = _first_device_type(item)
+            if d is not None:
+                return d
+    return None
+
+
+class Fp32Island:
+    """The pair of forward hooks that make a module an fp32 island. Installed by ``keep_fp32``.
+
+    The post-hook is registered with ``always_call=True`` so autocast is restored even when the
+    module's forward raises.
+    """
+
+    def __init__(self, device_type: str | None = None) -> None:
+        self.device_type = device_type
+        self._stack: list[tuple[contextlib.ExitStack, torch.dtype | None]] = []
+        self.handles: list[torch.utils.hooks.RemovableHandle] = []
+
+    def attach(self, module: nn.Module) -> "Fp32Island":
+        self.handles = [
+            module.register_forward_pre_hook(self._pre, with_kwargs=True),
+            module.register_forward_hook(self._post, always_call=True),
+        ]
+        module._mixprec_island = self  # type: ignore[attr-defined]
+        return self
+
+    def detach(self, module: nn.Module) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+        if getattr(module, "_mixprec_island", None) is self:
+            del module._mixprec_island  # type: ignore[attr-defined]
+
+    def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        device_type = self.device_type or _first_device_type((args, kwargs))
+        in_dtype = _first_floating_dtype((args, kwargs))
+        stack = contextlib.ExitStack()
+        active = bool(device_type) and torch.is_autocast_enabled(device_type)
+        if active:
+            # Output goes back to what autocast would have handed the next op: the autocast dtype
+            # when the input was 16-bit, else whatever came in.
+            stack.enter_context(torch.autocast(device_type, enabled=False))
+        back = in_dtype if in_dtype in (torch.float16, torch.bfloat16) else None
+        self._stack.append((stack, back))
+        if in_dtype in (torch.float16, torch.bfloat16) or active:
+            args = cast_floating(args, torch.float32)
+            kwargs = cast_floating(kwargs, torch.float32)
+        return args, kwargs
+
+    def _post(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        stack, back = self._stack.pop()
+        stack.close()
+        if back is not None and output is not None:
+            return cast_floating(output, back)
+        return output
+
+
+# Module families a recipe can name. RMSNorm exists in torch >= 2.4.
+_FAMILIES: dict[str, tuple[type, ...]] = {
+    "norms": tuple(
+        t
+        for t in (
+            nn.LayerNorm,
+            nn.GroupNorm,
+            nn.modules.batchnorm._NormBase,  # BatchNorm1d/2d/3d, SyncBatchNorm, InstanceNorm*
+            getattr(nn, "RMSNorm", None),
+            nn.LocalResponseNorm,
+        )
+        if t is not None
+    ),
+}
+
+Rule = str | type | Callable[[str, nn.Module], bool]
+
+
+def module_matches_rule(name: str, module: nn.Module, rule: Rule) -> bool:
+    """Does ``module`` (qualified ``name``) match one rule item?
+
+    A rule item is a family (``"norms"``), a module class, a class name (``"LayerNorm"``), a
+    qualified module name (``"head"`` or ``"blocks.0.attn"``), or a predicate ``(name, module) -> bool``.
+    """
+    if isinstance(rule, type):
+        return isinstance(module, rule)
+    if callable(rule):
+        return bool(rule(name, module))
+    if rule in _FAMILIES:
+        return isinstance(module, _FAMILIES[rule])
+    return name == rule or type(module).__name__ == rule
+
+
+def keep_fp32(
+    model: nn.Module,
+    rules: Sequence[Rule] | Rule,
+    device_type: str | None = None,
+) -> list[str]:
+    """Make every submodule matching ``rules`` an fp32 island; returns their qualified names.
+
+    A module inside an island is not made an island again (the outer one already covers it).
+    Raises ValueError if a name in ``rules`` matches nothing (a typo would otherwise pass silently).
+    """
+    if isinstance(rules, (str, type)) or callable(rules):
+        rules = [rules]  # type: ignore[list-item]
+    rules = list(rules)  # type: ignore[arg-type]
+    modules = list(model.named_modules())  # pre-order: parents before children
+    hits = [{i for i, r in enumerate(rules) if module_matches_rule(n, m, r)} for n, m in modules]
+    matched = set().union(*hits)
+    for i, r in enumerate(rules):
+        if isinstance(r, str) and r not in _FAMILIES and i not in matched:
+            raise ValueError(
+                f"fp32 island rule {r!r} matches no submodule name or class of {type(model).__name__}; "
+                f"use a qualified name from model.named_modules(), a class (name), or one of {sorted(_FAMILIES)}"
+            )
+    chosen: list[str] = []
+    for (name, module), hit in zip(modules, hits):
+        if any(c == "" or name.startswith(c + ".") for c in chosen):
+            continue  # already inside an island
+        if getattr(module, "_mixprec_island", None) is not None:
+            chosen.append(name)
+        elif hit:
+            Fp32Island(device_type).attach(module)
+            chosen.append(name)
+    return chosen
+
+
+def remove_fp32_islands(model: nn.Module) -> int:
+    """Undo ``keep_fp32``; returns how many islands were removed."""
+    n = 0
+    for module in model.modules():
+        island = getattr(module, "_mixprec_island", None)
+        if island is not None:
+            island.detach(module)
+            n += 1
+    return n
+
+
+def island_names(model: nn.Module) -> list[str]:
+    return [n for n, m in model.named_modules() if getattr(m, "_mixprec_island", None) is not None]
+
+
+# ---------------------------------------------------------------- norms with fp32 statistics
+
+
+def _fp32_params(*params: torch.Tensor | None) -> Iterable[torch.Tensor | None]:
+    return (None if p is None else p.float() for p in params)
+
+
+class Fp32LayerNorm(nn.LayerNorm):
+    """LayerNorm whose mean and variance are computed in fp32; returns the input's dtype."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w, b = _fp32_params(self.weight, self.bias)
+        with fp32_island(x.device.type):
+            y = nn.functional.layer_norm(x.float(), self.normalized_shape, w, b, self.eps)
+        return y.to(x.dtype)
+
+
+class Fp32GroupNorm(nn.GroupNorm):
+    """GroupNorm whose statistics are computed in fp32; returns the input's dtype."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w, b = _fp32_params(self.weight, self.bias)
+        with fp32_island(x.device.type):
+            y = nn.functional.group_norm(x.float(), self.num_groups, w, b, self.eps)
+        return y.to(x.dtype)
+
+
+class Fp32RMSNorm(nn.Module):
+    """RMSNorm (``x / sqrt(mean(x^2) + eps) * weight``) with the mean square in fp32."""
+
+    def __init__(self, normalized_shape: int | Sequence[int], eps: float = 1e-6, elementwise_affine: bool = True,
+                 device: Any = None, dtype: Any = None) -> None:
+        super().__init__()
+        shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+        self.normalized_shape = shape
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(shape, device=device, dtype=dtype)) if elementwise_affine else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dims = tuple(range(-len(self.normalized_shape), 0))
+        with fp32_island(x.device.type):
+            x32 = x.float()
+            y = x32 * torch.rsqrt(x32.pow(2).mean(dim=dims, keepdim=True) + self.eps)
+            if self.weight is not None:
+                y = y * self.weight.float()
+        return y.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.weight is not None}"

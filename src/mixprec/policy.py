@@ -1,0 +1,126 @@
+"""``Policy``: which dtype parameters are stored in, which the compute runs in, which comes out.
+
+The string grammar is jmp's, so a jmp user's policy strings work unchanged:
+
+- ``"p=f32,c=bf16,o=f32"`` or ``"params=float32,compute=bfloat16,output=float32"``: keys ``p``/``params``,
+  ``c``/``compute``, ``o``/``output``; params default to f32, compute to params, output to compute.
+- ``"bf16"`` (no ``=``): one dtype for all three.
+
+>>> p = get_policy("params=float32,compute=bfloat16,output=float32")
+>>> str(p)
+'p=f32,c=bf16,o=f32'
+>>> import torch
+>>> p.cast_to_compute({"x": torch.ones(2), "n": torch.arange(2), "tag": "a"})["x"].dtype
+torch.bfloat16
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from mixprec.formats import accepted_names, get_format
+
+_KEYS = {
+    "p": "param_dtype", "params": "param_dtype",
+    "c": "compute_dtype", "compute": "compute_dtype",
+    "o": "output_dtype", "output": "output_dtype",
+}
+
+
+def cast_floating(tree: Any, dtype: torch.dtype) -> Any:
+    """Cast every floating-point tensor in a nested structure to ``dtype``.
+
+    Integer and bool tensors, Python scalars and other objects pass through untouched (as in jmp).
+    Lists, tuples (named tuples too) and mappings are rebuilt with the same type.
+    """
+    if isinstance(tree, torch.Tensor):
+        return tree.to(dtype) if tree.is_floating_point() and tree.dtype != dtype else tree
+    if isinstance(tree, Mapping):
+        return type(tree)((k, cast_floating(v, dtype)) for k, v in tree.items())
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):  # named tuple
+        return type(tree)(*(cast_floating(v, dtype) for v in tree))
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(cast_floating(v, dtype) for v in tree)
+    return tree
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """Dtypes for parameters, compute and outputs (jmp's ``Policy``, over torch dtypes)."""
+
+    param_dtype: torch.dtype
+    compute_dtype: torch.dtype
+    output_dtype: torch.dtype
+
+    def __post_init__(self) -> None:
+        for field in ("param_dtype", "compute_dtype", "output_dtype"):
+            value = getattr(self, field)
+            # Accept names and normalise to torch dtypes, so Policy("f32", "bf16", "f32") works.
+            object.__setattr__(self, field, get_format(value).dtype)
+
+    def cast_to_param(self, tree: Any) -> Any:
+        return cast_floating(tree, self.param_dtype)
+
+    def cast_to_compute(self, tree: Any) -> Any:
+        return cast_floating(tree, self.compute_dtype)
+
+    def cast_to_output(self, tree: Any) -> Any:
+        return cast_floating(tree, self.output_dtype)
+
+    def with_output_dtype(self, output_dtype: torch.dtype | str) -> "Policy":
+        return dataclasses.replace(self, output_dtype=output_dtype)
+
+    def __str__(self) -> str:
+        name = lambda d: get_format(d).name  # noqa: E731
+        return f"p={name(self.param_dtype)},c={name(self.compute_dtype)},o={name(self.output_dtype)}"
+
+
+def get_policy(policy_name: str | Policy) -> Policy:
+    """Parse a policy string (jmp grammar) into a ``Policy``; a ``Policy`` passes through."""
+    if isinstance(policy_name, Policy):
+        return policy_name
+    if not isinstance(policy_name, str):
+        raise TypeError(f"expected a policy string such as 'p=f32,c=bf16', got {type(policy_name).__name__}")
+    text = policy_name.strip()
+    if not text:
+        raise ValueError("Empty policy string; expected e.g. 'p=f32,c=bf16,o=f32' or 'bf16'")
+
+    def dtype_of(token: str) -> torch.dtype:
+        try:
+            return get_format(token).dtype
+        except ValueError:
+            raise ValueError(
+                f"Unknown dtype {token.strip()!r} in policy {policy_name!r}; "
+                f"expected one of {', '.join(accepted_names())}"
+            ) from None
+
+    if "=" not in text:
+        d = dtype_of(text)
+        return Policy(d, d, d)
+
+    found: dict[str, torch.dtype] = {}
+    for part in text.split(","):
+        if "=" not in part:
+            raise ValueError(
+                f"Malformed part {part.strip()!r} in policy {policy_name!r}; "
+                "expected key=dtype with keys p/params, c/compute, o/output"
+            )
+        key, value = (s.strip() for s in part.split("=", 1))
+        field = _KEYS.get(key.lower())
+        if field is None:
+            raise ValueError(
+                f"Unknown key {key!r} in policy {policy_name!r}; expected one of "
+                "p, params, c, compute, o, output"
+            )
+        if field in found:
+            raise ValueError(f"Key {key!r} given twice in policy {policy_name!r}")
+        found[field] = dtype_of(value)
+
+    param = found.get("param_dtype", torch.float32)
+    compute = found.get("compute_dtype", param)
+    output = found.get("output_dtype", compute)
+    return Policy(param, compute, output)

@@ -1,0 +1,285 @@
+"""Recipes: the one place that knows recipe names.
+
+A recipe is more than an autocast dtype: it is a ``Policy`` (param / compute / output dtypes), the
+kind of loss scaler, whether compute goes through ``torch.autocast``, and which modules stay in
+fp32. ``resolve_recipe`` turns a name (or a jmp policy string) into a ``Recipe``; ``"auto"`` looks
+at the device and says why it chose what it chose.
+
+>>> r = resolve_recipe("fp16-mixed", "cpu")
+>>> (str(r.policy), r.loss_scaling)
+('p=f32,c=f16,o=f32', 'dynamic')
+>>> resolve_recipe("p=f32,c=bf16,o=f32", "cpu").name
+'p=f32,c=bf16,o=f32'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Literal
+
+import torch
+
+from mixprec.formats import get_format
+from mixprec.policy import Policy, get_policy
+
+LossScaling = Literal["none", "static", "dynamic"]
+
+#: Module families kept in fp32 by the mixed recipes. Names, not classes, so a recipe stays a
+#: plain frozen value; ``islands.module_matches_rule`` turns them into isinstance checks.
+NORMS = "norms"
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """What a mixed-precision recipe does, as data.
+
+    Attributes:
+        name: the canonical name (``bf16-mixed``), or the policy string for jmp-style recipes.
+        policy: param / compute / output dtypes.
+        loss_scaling: ``"dynamic"`` (``GradScaler``), ``"static"`` (``StaticLossScaler``) or ``"none"``.
+        autocast: run the forward under ``torch.autocast(compute_dtype)``; parameters stay in
+            ``param_dtype`` and ops are cast at call time.
+        fp32_modules: module families (``"norms"``) or class names that run as fp32 islands.
+        static_scale: the scale used when ``loss_scaling == "static"``.
+        description: one line for ``mixprec recipes``.
+        reason: why this recipe was chosen (``auto`` fills it in; otherwise "requested").
+    """
+
+    name: str
+    policy: Policy
+    loss_scaling: LossScaling = "none"
+    autocast: bool = False
+    fp32_modules: tuple[str, ...] = ()
+    static_scale: float = 2.0**16
+    description: str = ""
+    reason: str = "requested"
+
+    def __post_init__(self) -> None:
+        if self.loss_scaling not in ("none", "static", "dynamic"):
+            raise ValueError(
+                f"Recipe {self.name!r}: loss_scaling={self.loss_scaling!r}; expected 'none', 'static' or 'dynamic'"
+            )
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.policy.compute_dtype
+
+    @property
+    def is_mixed(self) -> bool:
+        """True when some compute runs in fewer bits than the parameters are stored in."""
+        return get_format(self.policy.compute_dtype).bits < get_format(self.policy.param_dtype).bits
+
+
+_F32 = torch.float32
+
+# canonical name -> recipe; alias -> canonical name
+_REGISTRY: dict[str, Recipe] = {}
+_ALIASES: dict[str, str] = {}
+_DISPLAY_ALIASES: dict[str, tuple[str, ...]] = {}  # canonical (lower) -> aliases as registered
+
+
+def register_recipe(recipe: Recipe, aliases: tuple[str, ...] = (), *, overwrite: bool = False) -> Recipe:
+    """Add a recipe (and its aliases) to the registry. Names are matched case-insensitively."""
+    names = [recipe.name, *aliases]
+    for n in names:
+        key = n.lower()
+        if not overwrite and (key in _ALIASES or key == "auto"):
+            raise ValueError(f"recipe name {n!r} is already registered; pass overwrite=True to replace it")
+    _REGISTRY[recipe.name.lower()] = recipe
+    _DISPLAY_ALIASES[recipe.name.lower()] = tuple(aliases)
+    for n in names:
+        _ALIASES[n.lower()] = recipe.name.lower()
+    return recipe
+
+
+register_recipe(
+    Recipe("fp32", Policy(_F32, _F32, _F32), description="full fp32: the reference every recipe is judged against"),
+    aliases=("32-true", "32", "O0", "f32", "float32"),
+)
+register_recipe(
+    Recipe(
+        "bf16-mixed",
+        Policy(_F32, torch.bfloat16, _F32),
+        autocast=True,
+        fp32_modules=(NORMS,),
+        description="bf16 autocast, fp32 weights/optimizer/loss, norms in fp32, no loss scaling",
+    ),
+    aliases=("bf16",),
+)
+register_recipe(
+    Recipe(
+        "fp16-mixed",
+        Policy(_F32, torch.float16, _F32),
+        loss_scaling="dynamic",
+        autocast=True,
+        fp32_modules=(NORMS,),
+        description="fp16 autocast with dynamic loss scaling, fp32 weights/optimizer/loss, norms in fp32",
+    ),
+    aliases=("16-mixed", "16", "O1"),
+)
+
+
+def list_recipes() -> list[Recipe]:
+    """Registered recipes (``auto`` and policy strings are resolved, not listed)."""
+    return list(_REGISTRY.values())
+
+
+def recipe_aliases(recipe: Recipe | str) -> tuple[str, ...]:
+    """The aliases a registered recipe answers to (as registered, e.g. ``("32-true", "32", "O0")``)."""
+    name = recipe.name if isinstance(recipe, Recipe) else recipe
+    return _DISPLAY_ALIASES.get(name.lower(), ())
+
+
+def recipe_names() -> list[str]:
+    """Every accepted name: canonical names, aliases and ``auto``."""
+    return ["auto", *sorted(set(_ALIASES), key=str.lower)]
+
+
+def get_recipe(name: str) -> Recipe:
+    """A registered recipe by name or alias (``auto`` needs a device: use ``resolve_recipe``)."""
+    key = name.strip().lower()
+    if key in _ALIASES:
+        return _REGISTRY[_ALIASES[key]]
+    raise ValueError(_unknown_message(name))
+
+
+def _unknown_message(name: str) -> str:
+    canon = ", ".join(r.name for r in list_recipes())
+    return (
+        f"Unknown recipe {name!r}; expected one of auto, {canon} (aliases: "
+        f"{', '.join(a for a in sorted(_ALIASES) if a not in _REGISTRY)}), or a jmp policy string "
+        "such as 'p=f32,c=bf16,o=f32'. Run 'mixprec recipes' to see them all."
+    )
+
+
+def _from_policy_string(text: str) -> Recipe:
+    try:
+        policy = get_policy(text)
+    except ValueError as e:
+        if "=" in text:
+            raise
+        raise ValueError(_unknown_message(text) + f" ({e})") from None
+    if policy.param_dtype != _F32:
+        raise ValueError(
+            f"Policy {text!r} stores parameters in {get_format(policy.param_dtype).name}: 16-bit parameter "
+            "storage needs fp32 master weights, which these recipes do not provide yet. Use p=f32 "
+            "(autocast keeps fp32 weights and computes in 16 bits)."
+        )
+    compute = policy.compute_dtype
+    if compute not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(
+            f"Policy {text!r} computes in {get_format(compute).name}; autocast compute must be f32, bf16 or f16"
+        )
+    mixed = compute != _F32
+    return Recipe(
+        name=str(policy),
+        policy=policy,
+        loss_scaling="dynamic" if compute == torch.float16 else "none",
+        autocast=mixed,
+        fp32_modules=(NORMS,) if mixed else (),
+        description=f"jmp policy {policy}",
+    )
+
+
+# ---------------------------------------------------------------- auto
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_bf16_support() -> tuple[bool, str]:
+    """Whether this CPU has native bf16 matmul (AVX512-BF16 or AMX), and what was found."""
+    found = []
+    for label, probe in (("AMX", "_is_amx_tile_supported"), ("AVX512-BF16", "_is_avx512_bf16_supported")):
+        fn = getattr(torch.cpu, probe, None)
+        try:
+            if fn is not None and fn():
+                found.append(label)
+        except Exception:  # private probes; absence means "unknown", treated as no
+            pass
+    if not found:
+        try:
+            with open("/proc/cpuinfo") as f:
+                flags = next((line for line in f if line.startswith("flags")), "").split()
+            if "amx_bf16" in flags:
+                found.append("AMX")
+            if "avx512_bf16" in flags:
+                found.append("AVX512-BF16")
+        except OSError:
+            pass
+    capability = torch.backends.cpu.get_cpu_capability()
+    if found:
+        return True, f"this CPU has {' and '.join(found)} (torch CPU capability {capability})"
+    return False, f"this CPU has neither AVX512-BF16 nor AMX (torch CPU capability {capability})"
+
+
+def _auto(device: torch.device) -> Recipe:
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        name = torch.cuda.get_device_name(index)
+        major, minor = torch.cuda.get_device_capability(index)
+        if torch.cuda.is_bf16_supported(including_emulation=False):
+            why = f"{name} (sm_{major}{minor}) computes bf16 natively: bf16 needs no loss scaling"
+            return dataclasses.replace(get_recipe("bf16-mixed"), reason=f"auto: {why}")
+        why = f"{name} (sm_{major}{minor}) has no native bf16 (needs sm_80+): fp16 with dynamic loss scaling"
+        return dataclasses.replace(get_recipe("fp16-mixed"), reason=f"auto: {why}")
+    if device.type == "cpu":
+        ok, found = cpu_bf16_support()
+        if ok:
+            return dataclasses.replace(get_recipe("bf16-mixed"), reason=f"auto: {found}: bf16 autocast is native")
+        why = f"{found}: bf16 and fp16 matmuls are emulated and slower than fp32 here"
+        return dataclasses.replace(get_recipe("fp32"), reason=f"auto: {why}")
+    return dataclasses.replace(
+        get_recipe("fp32"), reason=f"auto: no mixed-precision rule for device type {device.type!r} yet"
+    )
+
+
+def as_device(device: str | torch.device | None) -> torch.device:
+    """A torch.device; ``None`` means CUDA when available, else CPU."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"Unknown device {device!r}: {e}. Use 'cpu', 'cuda' or 'cuda:N'.") from None
+
+
+def check_device_can_run(recipe: Recipe, device: torch.device) -> None:
+    """Raise a clear error when the device cannot run the recipe at all."""
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(
+            f"Recipe {recipe.name!r} was asked for device {str(device)!r}, but CUDA is not available "
+            "in this torch build or machine. Use device='cpu'."
+        )
+    if recipe.autocast and not torch.amp.is_autocast_available(device.type):
+        raise RuntimeError(
+            f"Recipe {recipe.name!r} needs torch.autocast on {device.type!r}, which this torch does not "
+            "support. Use 'fp32' or another device."
+        )
+    if device.type == "cuda" and recipe.compute_dtype == torch.bfloat16:
+        if not torch.cuda.is_bf16_supported(including_emulation=True):
+            raise RuntimeError(
+                f"Recipe {recipe.name!r} computes in bf16, which {torch.cuda.get_device_name(device)} cannot. "
+                "Use 'fp16-mixed' (or 'auto')."
+            )
+
+
+def resolve_recipe(spec: str | Recipe, device: str | torch.device | None = None) -> Recipe:
+    """Turn a recipe name, alias, ``auto`` or jmp policy string into a ``Recipe`` for ``device``.
+
+    Raises ValueError for unknown names (listing what is accepted) and RuntimeError when the
+    device cannot run the recipe.
+    """
+    dev = as_device(device)
+    if isinstance(spec, Recipe):
+        recipe = spec
+    elif not isinstance(spec, str):
+        raise TypeError(f"expected a recipe name or Recipe, got {type(spec).__name__}")
+    elif spec.strip().lower() == "auto":
+        recipe = _auto(dev)
+    elif spec.strip().lower() in _ALIASES:
+        recipe = get_recipe(spec)
+    else:
+        recipe = _from_policy_string(spec)
+    check_device_can_run(recipe, dev)
+    return recipe
+

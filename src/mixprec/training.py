@@ -1,0 +1,347 @@
+"""``MixedPrecision``: the one object a user holds, and the only place that knows the order of a step.
+
+    mp = MixedPrecision("auto", device="cpu")
+    model = mp.prepare(model)
+    with mp.autocast():
+        loss = F.cross_entropy(model(x), y)
+    stats = mp.step(loss, opt, max_grad_norm=1.0)
+
+``step`` runs: scale -> backward -> (accumulate) -> unscale -> clip -> step or skip -> update ->
+zero_grad -> scheduler (only when the step was taken). The order is fixed here, so a user cannot
+clip scaled gradients or forget ``update``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixprec.formats import short_name
+from mixprec.islands import Rule, keep_fp32
+from mixprec.policy import cast_floating
+from mixprec.recipes import Recipe, as_device, resolve_recipe
+from mixprec.scaling import GradScaler, NoOpScaler, StaticLossScaler
+
+
+@dataclasses.dataclass
+class StepStats:
+    """What one call to ``MixedPrecision.step`` did. Tensors stay on the device: reading them
+    (``float(stats.loss)``, ``stats.to_dict()``) is a host sync, and yours to choose.
+
+    Attributes:
+        loss: the unscaled fp32 loss (at an accumulation boundary: the mean over the window).
+        grad_norm: total gradient norm before clipping (None unless clipping or ``track_grad_norm``).
+        scale: the loss scale this step's backward used (1.0 without a scaler).
+        skipped: 0-d bool; True when the optimizer step was skipped for inf/NaN gradients.
+        stepped: False for an accumulation micro-step (no optimizer step was attempted).
+        step: optimizer steps attempted so far, skipped ones included.
+    """
+
+    loss: torch.Tensor
+    grad_norm: torch.Tensor | None
+    scale: torch.Tensor
+    skipped: torch.Tensor
+    stepped: bool
+    step: int
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain Python values (one sync per tensor field)."""
+        return {
+            "loss": float(self.loss),
+            "grad_norm": None if self.grad_norm is None else float(self.grad_norm),
+            "scale": float(self.scale),
+            "skipped": bool(self.skipped),
+            "stepped": self.stepped,
+            "step": self.step,
+        }
+
+
+class _OutputCast:
+    """Forward hook casting a model's floating outputs to the policy's output dtype."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> Any:
+        return cast_floating(output, self.dtype)
+
+
+def _as_optimizers(optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer]) -> list[torch.optim.Optimizer]:
+    opts = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers)
+    if not opts:
+        raise ValueError("step() needs at least one optimizer")
+    for o in opts:
+        if not isinstance(o, torch.optim.Optimizer):
+            raise TypeError(f"step() expects torch.optim.Optimizer instances, got {type(o).__name__}")
+    return opts
+
+
+class MixedPrecision:
+    """A recipe applied to a device: prepare the model, run the forward, take the step.
+
+    Args:
+        recipe: a name (``"auto"``, ``"fp32"``, ``"bf16-mixed"``, ``"fp16-mixed"``, aliases such as
+            ``"16-mixed"``), a jmp policy string (``"p=f32,c=bf16,o=f32"``) or a ``Recipe``.
+        device: ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or a torch.device; None picks CUDA when available.
+        scaler: None (the recipe's), a dict of ``GradScaler`` keyword arguments (``{"init_scale":
+            2**20, "hysteresis": 2}``), or a mixprec scaler instance.
+        fp32_modules: extra fp32 islands (qualified names, classes, class names, predicates).
+        accumulate: optimizer step every ``accumulate`` calls to ``step``; the loss is divided by it.
+        track_grad_norm: compute the gradient norm even when not clipping.
+        skip_nonfinite: for recipes without a loss scaler, still skip steps whose gradients hold
+            inf/NaN (a ``StaticLossScaler(1.0)``; one host sync per step with unfused optimizers).
+
+    Attributes: ``recipe`` (with ``recipe.reason``), ``device``, ``policy``, ``scaler``.
+    """
+
+    def __init__(
+        self,
+        recipe: str | Recipe = "auto",
+        device: str | torch.device | None = None,
+        *,
+        scaler: GradScaler | dict[str, Any] | None = None,
+        fp32_modules: Sequence[Rule] = (),
+        accumulate: int = 1,
+        track_grad_norm: bool = False,
+        skip_nonfinite: bool = False,
+    ) -> None:
+        self.device = as_device(device)
+        self.recipe = resolve_recipe(recipe, self.device)
+        if not isinstance(accumulate, int) or accumulate < 1:
+            raise ValueError(f"accumulate must be an integer >= 1, got {accumulate!r}")
+        self.accumulate = accumulate
+        self.track_grad_norm = track_grad_norm
+        self.fp32_modules = tuple(fp32_modules)
+        self.scaler = self._make_scaler(scaler, skip_nonfinite)
+        self._micro = 0
+        self._steps = 0
+        self._loss_sum: torch.Tensor | None = None
+        self._warned_16bit_loss = False
+        self._one: torch.Tensor | None = None
+        self._false: torch.Tensor | None = None
+
+    @property
+    def policy(self):
+        return self.recipe.policy
+
+    def _make_scaler(self, scaler: GradScaler | dict[str, Any] | None, skip_nonfinite: bool) -> GradScaler:
+        dev = self.device.type
+        if isinstance(scaler, GradScaler):
+            return scaler
+        if scaler is not None and not isinstance(scaler, dict):
+            raise TypeError(
+                f"scaler must be None, a dict of GradScaler arguments, or a mixprec scaler; got "
+                f"{type(scaler).__name__}. (A torch.amp.GradScaler cannot report skipped steps without "
+                "a sync; pass its arguments as a dict instead.)"
+            )
+        kwargs = dict(scaler or {})
+        kind = self.recipe.loss_scaling
+        if kind == "dynamic":
+            return GradScaler(dev, **kwargs)
+        if kind == "static":
+            return StaticLossScaler(kwargs.pop("scale", self.recipe.static_scale), dev, **kwargs)
+        if kwargs:
+            raise ValueError(
+                f"Recipe {self.recipe.name!r} uses no loss scaler, so scaler arguments {sorted(kwargs)} "
+                "would be ignored; drop them, or choose an fp16 recipe"
+            )
+        if skip_nonfinite:
+            return StaticLossScaler(1.0, dev)
+        return NoOpScaler(dev)
+
+    # ------------------------------------------------------------------ model
+
+    def prepare(self, model: nn.Module) -> nn.Module:
+        """Apply the recipe to ``model`` in place and return it: fp32 islands and the output cast.
+
+        Raises ValueError when the model's parameters are not where/what the recipe expects (on
+        another device, or already cast to 16 bits with ``model.half()``).
+        """
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"prepare() expects an nn.Module, got {type(model).__name__}")
+        if getattr(model, "_mixprec_recipe", None) is not None:
+            if model._mixprec_recipe == self.recipe.name:  # type: ignore[attr-defined]
+                return model
+            raise ValueError(
+                f"model was already prepared for recipe {model._mixprec_recipe!r}; "  # type: ignore[attr-defined]
+                f"build a fresh model to prepare it for {self.recipe.name!r}"
+            )
+        self._check_params(model)
+        if self.recipe.autocast:
+            keep_fp32(model, [*self.recipe.fp32_modules, *self.fp32_modules], self.device.type)
+            model.register_forward_hook(_OutputCast(self.policy.output_dtype))
+        elif self.fp32_modules:
+            keep_fp32(model, self.fp32_modules, self.device.type)
+        model._mixprec_recipe = self.recipe.name  # type: ignore[attr-defined]
+        return model
+
+    def _check_params(self, model: nn.Module) -> None:
+        for name, p in model.named_parameters():
+            if p.device.type != self.device.type:
+                raise ValueError(
+                    f"parameter {name!r} is on {p.device}, but this MixedPrecision runs on {self.device}; "
+                    f"move the model first (model.to({str(self.device)!r}))"
+                )
+            if p.is_floating_point() and p.dtype != self.policy.param_dtype:
+                raise ValueError(
+                    f"parameter {name!r} is stored in {short_name(p.dtype)}, but recipe {self.recipe.name!r} "
+                    f"keeps parameters in {short_name(self.policy.param_dtype)}. model.half() is low "
+                    "precision, not mixed precision: small updates vanish without fp32 master weights. "
+                    "Call model.float() and let the recipe choose what runs in 16 bits."
+                )
+
+    def autocast(self) -> torch.autocast:
+        """The compute policy as a context manager (disabled for recipes that do not autocast)."""
+        return torch.autocast(self.device.type, dtype=self.policy.compute_dtype, enabled=self.recipe.autocast)
+
+    # ------------------------------------------------------------------ the step
+
+    def _check_loss(self, loss: Any) -> torch.Tensor:
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(f"step() expects the loss as a tensor, got {type(loss).__name__}")
+        if loss.numel() != 1:
+            raise ValueError(
+                f"step() expects a scalar loss, got shape {tuple(loss.shape)}; reduce it first (loss.mean())"
+            )
+        if not loss.requires_grad:
+            raise ValueError(
+                "the loss does not require grad: was it computed under torch.no_grad(), or from "
+                "detached tensors?"
+            )
+        if loss.dtype != torch.float32:
+            if loss.dtype in (torch.float16, torch.bfloat16) and not self._warned_16bit_loss:
+                self._warned_16bit_loss = True
+                warnings.warn(
+                    f"the loss reached step() in {short_name(loss.dtype)}: its reduction ran in 16 bits. "
+                    "Compute the loss in fp32: call the loss function outside mp.autocast(), or on "
+                    "outputs of a prepared model (which casts them to fp32).",
+                    stacklevel=3,
+                )
+            loss = loss.float()
+        return loss
+
+    def _constants(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._one is None:
+            self._one = torch.ones((), device=self.device)
+            self._false = torch.zeros((), dtype=torch.bool, device=self.device)
+        assert self._false is not None
+        return self._one, self._false
+
+    def step(
+        self,
+        loss: torch.Tensor,
+        optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
+        *,
+        max_grad_norm: float | None = None,
+        norm_type: float = 2.0,
+        parameters: Iterable[torch.Tensor] | None = None,
+        scheduler: Any = None,
+        retain_graph: bool = False,
+    ) -> StepStats:
+        """Backward and (every ``accumulate`` calls) one optimizer step, in the only correct order.
+
+        Args:
+            loss: the scalar loss of this (micro-)batch, preferably fp32.
+            optimizers: one optimizer or several; they share the skip decision and one ``update``.
+            max_grad_norm: clip the total norm of the unscaled gradients to this.
+            norm_type: the norm for clipping / tracking.
+            parameters: what to clip (default: every parameter the optimizers hold).
+            scheduler: an lr scheduler (or a list) stepped only when the optimizer step was taken.
+                With fused optimizers, deciding that costs one host sync.
+            retain_graph: passed to ``backward``.
+        """
+        opts = _as_optimizers(optimizers)
+        loss32 = self._check_loss(loss)
+        micro = loss32 / self.accumulate if self.accumulate > 1 else loss32
+        self.scaler.scale(micro).backward(retain_graph=retain_graph)
+        detached = micro.detach()
+        self._loss_sum = detached if self._loss_sum is None else self._loss_sum + detached
+        self._micro += 1
+        one, false = self._constants()
+        if self._micro < self.accumulate:
+            scale = self.scaler.scale_tensor
+            return StepStats(loss32.detach(), None, one if scale is None else scale, false, False, self._steps)
+
+        window_loss, self._loss_sum, self._micro = self._loss_sum, None, 0
+        for opt in opts:
+            self.scaler.unscale_(opt)  # before clipping: clip the true gradients, not scaled ones
+        grad_norm = self._clip_or_measure(opts, parameters, max_grad_norm, norm_type)
+        for opt in opts:
+            self.scaler.step(opt)
+        self.scaler.update()
+        for opt in opts:
+            opt.zero_grad(set_to_none=True)
+        self._steps += 1
+        if scheduler is not None and not self.scaler.was_skipped():
+            for s in scheduler if isinstance(scheduler, (list, tuple)) else (scheduler,):
+                s.step()
+        scale = self.scaler.last_scale if self.scaler.is_enabled() else one
+        skipped = self.scaler.last_skipped if self.scaler.is_enabled() else false
+        return StepStats(window_loss, grad_norm, scale, skipped, True, self._steps)
+
+    def _clip_or_measure(
+        self,
+        opts: list[torch.optim.Optimizer],
+        parameters: Iterable[torch.Tensor] | None,
+        max_grad_norm: float | None,
+        norm_type: float,
+    ) -> torch.Tensor | None:
+        if max_grad_norm is None and not self.track_grad_norm:
+            return None
+        params = list(parameters) if parameters is not None else [
+            p for o in opts for g in o.param_groups for p in g["params"]
+        ]
+        if max_grad_norm is not None:
+            return nn.utils.clip_grad_norm_(params, max_grad_norm, norm_type=norm_type)
+        grads = [p.grad for p in params if p.grad is not None]
+        return nn.utils.get_total_norm(grads, norm_type=norm_type)
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict[str, Any]:
+        """The recipe name, the scaler's state and the step counters.
+
+        Raises RuntimeError inside an accumulation window: the accumulated gradients live in
+        ``.grad`` and would be lost.
+        """
+        if self._micro != 0:
+            raise RuntimeError(
+                f"state_dict() called in the middle of an accumulation window (micro-step {self._micro} "
+                f"of {self.accumulate}): the gradients accumulated so far live in .grad and would not be "
+                "saved. Save after a step() that returned stepped=True."
+            )
+        return {"recipe": self.recipe.name, "scaler": self.scaler.state_dict(), "steps": self._steps}
+
+    def load_state_dict(self, state: dict[str, Any], strict: bool = True) -> None:
+        """Restore from ``state_dict()``. With ``strict``, the recipe must be the same."""
+        if strict and state.get("recipe") != self.recipe.name:
+            raise ValueError(
+                f"checkpoint was saved with recipe {state.get('recipe')!r}, this MixedPrecision uses "
+                f"{self.recipe.name!r}; pass strict=False to load the scaler state anyway"
+            )
+        if state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+        self._steps = int(state.get("steps", 0))
+        self._micro, self._loss_sum = 0, None
+
+    def describe(self) -> str:
+        """A few lines saying what this object will do."""
+        r = self.recipe
+        scaler = type(self.scaler).__name__ if self.scaler.is_enabled() else "none"
+        lines = [
+            f"recipe   {r.name}  ({r.reason})",
+            f"policy   {r.policy}  autocast={'on' if r.autocast else 'off'}",
+            f"scaler   {scaler}",
+            f"fp32     {', '.join(map(str, (*r.fp32_modules, *self.fp32_modules))) or '-'}",
+            f"device   {self.device}",
+        ]
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return f"MixedPrecision({self.recipe.name!r}, device={str(self.device)!r})"
+
