@@ -43,6 +43,18 @@ _EXPORTS: dict[str, str] = {
     # the training step
     "MixedPrecision": "mixprec.training",
     "StepStats": "mixprec.training",
+    # tasks (the protocol compare and doctor train)
+    "Task": "mixprec.tasks",
+    "load_task": "mixprec.tasks",
+    # compare (issue 3)
+
+    # diagnostics (issue 4)
+
+    # master weights and memory (issue 5)
+
+    # lint (issue 6)
+
+    # bench (issue 7)
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

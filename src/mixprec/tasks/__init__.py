@@ -1,0 +1,149 @@
+"""The task protocol: what ``mixprec compare`` and ``mixprec doctor`` need to train your model.
+
+A task factory is a function, named as ``"package.module:function"``, that returns a ``Task``::
+
+    def make_task() -> mixprec.tasks.Task:
+        return Task(
+            name="my-mlp",
+            build_model=lambda: MyModel(),           # a fresh fp32 model; called after seeding
+            get_batch=lambda step: (x[step], y[step]),  # the same batch for a step in every run
+            loss_fn=torch.nn.functional.cross_entropy,  # (outputs, targets) -> scalar loss
+        )
+
+The runner seeds torch before ``build_model``, moves batches to the device, and trains with
+``MixedPrecision``. ``get_batch`` must not depend on global random state: every recipe must see
+the same data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def _default_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-3)
+
+
+@dataclasses.dataclass
+class Task:
+    """A model, its data and its loss, as ``compare`` and ``doctor`` consume them.
+
+    Attributes:
+        name: shown in reports.
+        build_model: returns a fresh fp32 ``nn.Module`` on the CPU; called after ``torch.manual_seed``.
+        get_batch: ``step -> (inputs, targets)``; deterministic in ``step``. Tensors (or nests of them)
+            on the CPU; the runner moves them to the device.
+        loss_fn: ``(outputs, targets) -> scalar loss``.
+        build_optimizer: ``params -> optimizer`` (default AdamW, lr 1e-3).
+        steps: default number of optimizer steps for a comparison.
+        max_grad_norm: clip at this norm (None: no clipping).
+        forward: ``(model, inputs) -> outputs`` (default ``model(inputs)``).
+        description: one line for reports.
+    """
+
+    name: str
+    build_model: Callable[[], nn.Module]
+    get_batch: Callable[[int], tuple[Any, Any]]
+    loss_fn: Callable[[Any, Any], torch.Tensor]
+    build_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] = _default_optimizer
+    steps: int = 200
+    max_grad_norm: float | None = 1.0
+    forward: Callable[[nn.Module, Any], Any] | None = None
+    description: str = ""
+
+    def run_forward(self, model: nn.Module, inputs: Any) -> Any:
+        return self.forward(model, inputs) if self.forward is not None else model(inputs)
+
+
+class TaskError(ValueError):
+    """A task path or factory that cannot be used; the message says what to do."""
+
+
+def to_device(obj: Any, device: torch.device) -> Any:
+    """Move tensors in a nest of lists/tuples/dicts to ``device``."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=True)
+    if isinstance(obj, dict):
+        return {k: to_device(v, device) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_device(v, device) for v in obj)
+    return obj
+
+
+BUILTIN = "mixprec.tasks.charlm:make_task"
+
+
+def load_task(spec: str | Task | Callable[..., Task] | None = None, **kwargs: Any) -> Task:
+    """Resolve a task: None (the built-in char-level GPT), a ``Task``, a factory, or ``"module:function"``.
+
+    Keyword arguments go to the factory. Raises ``TaskError`` with what went wrong and how to fix it.
+    """
+    if isinstance(spec, Task):
+        return spec
+    if spec is None:
+        spec = BUILTIN
+    if isinstance(spec, str):
+        factory = _import_factory(spec)
+        label = spec
+    elif callable(spec):
+        factory, label = spec, getattr(spec, "__qualname__", repr(spec))
+    else:
+        raise TaskError(f"a task is a 'module:function' string, a factory or a Task; got {type(spec).__name__}")
+    try:
+        task = factory(**kwargs)
+    except TypeError as e:
+        if not _accepts(factory, kwargs):
+            raise TaskError(f"task factory {label} does not accept arguments {sorted(kwargs)}: {e}") from None
+        raise
+    if not isinstance(task, Task):
+        raise TaskError(
+            f"task factory {label} returned {type(task).__name__}, expected mixprec.tasks.Task "
+            "(with build_model, get_batch and loss_fn); see 'mixprec compare --help'"
+        )
+    for field in ("build_model", "get_batch", "loss_fn", "build_optimizer"):
+        if not callable(getattr(task, field)):
+            raise TaskError(f"task {task.name!r} from {label}: {field} must be callable")
+    if not isinstance(task.steps, int) or task.steps < 1:
+        raise TaskError(f"task {task.name!r} from {label}: steps must be a positive integer, got {task.steps!r}")
+    return task
+
+
+def _accepts(fn: Callable[..., Any], kwargs: dict[str, Any]) -> bool:
+    try:
+        inspect.signature(fn).bind(**kwargs)
+        return True
+    except TypeError:
+        return False
+
+
+def _import_factory(spec: str) -> Callable[..., Task]:
+    if ":" not in spec:
+        raise TaskError(f"task {spec!r} must look like 'package.module:function' (a colon before the function name)")
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise TaskError(f"task {spec!r} must look like 'package.module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        raise TaskError(
+            f"cannot import module {module_name!r} for task {spec!r} ({e}); is it installed, or on "
+            "PYTHONPATH (run from the directory that holds it)?"
+        ) from None
+    factory = module
+    for part in attr.split("."):
+        if not hasattr(factory, part):
+            raise TaskError(f"module {module_name!r} has no attribute {attr!r} (task {spec!r})")
+        factory = getattr(factory, part)
+    if not callable(factory):
+        raise TaskError(f"{spec!r} is a {type(factory).__name__}, not a function returning a Task")
+    return factory  # type: ignore[return-value]
+
+
+__all__ = ["Task", "TaskError", "load_task", "to_device", "BUILTIN"]
