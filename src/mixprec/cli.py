@@ -13,6 +13,7 @@ import sys
 
 # subcommand -> module. The order here is the order in --help.
 SUBCOMMANDS: dict[str, str] = {
+    "lint": "mixprec.lint.cli",
 }
 
 
