@@ -254,6 +254,9 @@ def _cast_16(script: Script, node: ast.AST) -> ast.Call | None:
         method = node.func.attr
         if method in ("half", "bfloat16") and not node.args:
             return node
+        if method == "from_pretrained":  # Hugging Face: from_pretrained(..., torch_dtype=torch.bfloat16)
+            if any(kw.arg in ("torch_dtype", "dtype") and script.dtype(kw.value) in ("fp16", "bf16") for kw in node.keywords):
+                return node
         if method in ("to", "type"):
             dtypes = [script.dtype(a) for a in node.args] + [
                 script.dtype(kw.value) for kw in node.keywords if kw.arg == "dtype"
@@ -279,9 +282,15 @@ def _half_model(script: Script) -> list[Hit]:  # MP106
             continue
         if cast is not None and k is not None:
             casts.setdefault(k, cast)
-    trained: dict[str, list[ast.Call]] = {}  # model key -> optimizer constructions over its parameters
+    # A model rebound after the cast (get_peft_model, a wrapper) may train other parameters.
+    for k, cast in list(casts.items()):
+        if any(v.lineno > cast.lineno and script.same_scope(v, cast, k) for v in script.assigns.get(k, [])):
+            del casts[k]
+    trained: dict[str, list[ast.Call]] = {}  # model key -> torch.optim constructions over its parameters
     for call in script.calls:
-        if script.is_optimizer_class(call.func):
+        # torch.optim only: other libraries ship optimizers made for 16-bit weights (Kahan
+        # summation, stochastic rounding), which are the fix, not the trap.
+        if (script.qualname(call.func) or "").startswith("torch.optim."):
             params = argument(call, 0, "params")
             for node in ast.walk(params) if params is not None else ():
                 if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):

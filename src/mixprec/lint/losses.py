@@ -8,8 +8,9 @@ when all of these hold:
   ``forward`` is read, and calls of its instances count);
 * its body uses ``log``/``log1p``/``log2``/``log10``/``exp``/``expm1``/``logsumexp``/``sqrt``/
   ``rsqrt``/``reciprocal`` (as ``torch.*`` functions or tensor methods), a power whose exponent
-  is not a number literal (``(1 - p) ** gamma``), or a division by a computed value
-  (``inter / (union + eps)``, ``x / x.norm()``);
+  is not a number literal (``(1 - p) ** gamma``, ``p.pow(gamma)``), or a division by a fragile
+  value: one with a small epsilon added or a norm/std/sqrt (``inter / (union + 1e-6)``,
+  ``x / x.norm()``) -- not a masked mean's ``/ mask.sum()``;
 * it does not take care of precision itself: no ``.float()``/``.double()``, no ``.to(...)``/
   ``dtype=`` to fp32 or fp64, no ``autocast(enabled=False)`` inside, no
   ``custom_fwd(cast_inputs=...)``.
@@ -27,18 +28,26 @@ from mixprec.lint.names import Script, key_of
 _SENSITIVE = frozenset(
     {"log", "log1p", "log2", "log10", "exp", "expm1", "logsumexp", "sqrt", "rsqrt", "reciprocal"}
 )
-_HARMLESS_DIVISORS = frozenset({"len", "int", "float", "size", "numel", "dim"})
+_FRAGILE_CALLS = frozenset({"sqrt", "rsqrt", "norm", "std", "var", "vector_norm"})
 
 
-def _divides_by_computed(node: ast.BinOp) -> bool:
-    divisor = node.right
-    if isinstance(divisor, (ast.Constant, ast.Name, ast.Attribute, ast.Subscript)):
-        return False
-    if isinstance(divisor, ast.Call):
-        func = divisor.func
-        name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
-        return name not in _HARMLESS_DIVISORS
-    return True
+def _fragile_divisor(divisor: ast.AST) -> bool:
+    """A divisor that goes wrong in 16 bits: one with a tiny epsilon added (1e-8 is 0 in fp16,
+    1 + 1e-6 is 1 in bf16), or a norm/std/sqrt (a sum of squares that overflows fp16).
+    A masked mean's ``/ mask.sum()`` is not fragile."""
+    for node in ast.walk(divisor):
+        if isinstance(node, ast.Constant) and isinstance(node.value, float) and 0 < node.value < 1e-3:
+            return True
+        if isinstance(node, ast.Name) and "eps" in node.id.lower():
+            return True
+        if isinstance(node, ast.Attribute) and "eps" in node.attr.lower():
+            return True
+        if isinstance(node, ast.Call):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            if name in _FRAGILE_CALLS:
+                return True
+    return False
 
 
 def _uses_sensitive_op(script: Script, body: ast.AST) -> bool:
@@ -52,10 +61,14 @@ def _uses_sensitive_op(script: Script, body: ast.AST) -> bool:
             q = script.qualname(func) if isinstance(func, ast.Name) else None
             if q and q.startswith("torch.") and q.split(".")[-1] in _SENSITIVE:
                 return True
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            exponent = node.args[-1] if name == "pow" and node.args else None
+            if exponent is not None and not isinstance(exponent, ast.Constant):
+                return True
         elif isinstance(node, ast.BinOp):
             if isinstance(node.op, ast.Pow) and not isinstance(node.right, ast.Constant):
                 return True
-            if isinstance(node.op, ast.Div) and _divides_by_computed(node):
+            if isinstance(node.op, ast.Div) and _fragile_divisor(node.right):
                 return True
     return False
 

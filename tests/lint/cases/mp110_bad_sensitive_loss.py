@@ -16,6 +16,11 @@ class DiceLoss(nn.Module):
         return 1 - 2 * inter / (probs.sum() + target.sum() + 1e-6)
 
 
+def cosine_embedding_loss(a, b, gamma):
+    sim = (a * b).sum(-1) / (a.norm(dim=-1) * b.norm(dim=-1))
+    return (1 - sim).pow(gamma).mean()
+
+
 criterion = DiceLoss()
 
 
@@ -24,5 +29,6 @@ def train(model, loader, opt):
         with torch.autocast("cuda", dtype=torch.bfloat16):
             logits = model(x)
             loss = focal_loss(logits, y) + criterion(logits, y)  # expect: MP110, MP110
+            loss = loss + cosine_embedding_loss(logits, y, 2.0)  # expect: MP110
         loss.backward()
         opt.step()
