@@ -151,3 +151,10 @@ def test_fix_through_lint_paths_rewrites_the_file_and_reports_it(tmp_path):
     assert result.fixed == {str(script): 2}
     assert result.findings == []
     assert "torch.cuda.amp" not in script.read_text()
+
+
+def test_fix_uses_a_torch_import_guarded_by_try():
+    source = "try:\n    import torch\nexcept ImportError:\n    torch = None\ns = torch.cuda.amp.GradScaler()\n"
+    text, count = fix_source(source)
+    assert count == 1
+    assert text.endswith('s = torch.amp.GradScaler("cuda")\n')

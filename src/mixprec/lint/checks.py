@@ -7,6 +7,7 @@ or a scaler is handed to code that cannot be read, the rule does not report.
 from __future__ import annotations
 
 import ast
+
 from mixprec.lint.flow import Branch, Event, Flow, Region, exclusive
 from mixprec.lint.names import Script, argument, key_of, last
 from mixprec.lint.report import Hit
@@ -70,10 +71,17 @@ class FunctionChecks:
             check()
         return self.hits
 
+    def scaled_backward_before(self, event: Event) -> Event | None:
+        """The backward() that produced the gradients ``event`` sees, when a live scaler scaled it."""
+        back = _before(self.events, "backward", event)
+        if back is None or back.loss != "scaled" or not self.live(back.scaler):
+            return None
+        return back
+
     def clip_before_unscale(self) -> None:  # MP101
         for clip in self.of("clip"):
-            back = _before(self.events, "backward", clip)
-            if back is None or back.loss != "scaled" or not self.live(back.scaler):
+            back = self.scaled_backward_before(clip)
+            if back is None:
                 continue
             unscales = [e for e in self.of("unscale") if e.scaler == back.scaler]
             if any(back.order < u.order < clip.order and not exclusive(u, clip) for u in unscales):
@@ -105,8 +113,8 @@ class FunctionChecks:
 
     def step_bypasses_scaler(self) -> None:  # MP103
         for step in self.of("opt_step"):
-            back = _before(self.events, "backward", step)
-            if back is None or back.loss != "scaled" or not self.live(back.scaler):
+            back = self.scaled_backward_before(step)
+            if back is None:
                 continue
             if any(isinstance(p, Branch) and p.guard and p not in back.path for p in step.path):
                 continue  # a hand-written inf check decides the step

@@ -123,9 +123,10 @@ class Script:
 
     def _collect(self) -> None:
         seen: dict[str, set[str]] = {}
+        module_level = {id(n) for n in _module_statements(self.tree.body)}
         for node in self.nodes:
             if isinstance(node, (ast.Import, ast.ImportFrom)):
-                top = node in self.tree.body
+                top = id(node) in module_level
                 for name, target in _bindings(node):
                     seen.setdefault(name, set()).add(target)
                     self.aliases[name] = target
@@ -153,9 +154,11 @@ class Script:
         for name, targets in seen.items():
             if len({canonical(t) for t in targets}) > 1:
                 self.deprecated_shims.add(name)
-        # A name the file also defines or assigns is not reliably the imported object.
+        # A name the file also defines or assigns is not reliably the imported object (an
+        # ``except ImportError: torch = None`` fallback does not count).
         for name in list(self.aliases):
-            if name in self.functions or name in self.classes or name in self.assigns:
+            rebound = [v for v in self.assigns.get(name, []) if not (isinstance(v, ast.Constant) and v.value is None)]
+            if name in self.functions or name in self.classes or rebound:
                 del self.aliases[name]
                 self.module_aliases.pop(name, None)
 
@@ -325,6 +328,18 @@ def scale_receiver(call: ast.Call) -> str | None:
 
 def _calls_in(node: ast.AST) -> list[ast.Call]:
     return [n for n in ast.walk(node) if isinstance(n, ast.Call)]
+
+
+def _module_statements(body: list[ast.stmt]):
+    """Statements that run at import time: the module body and the blocks of its if/try/with."""
+    for stmt in body:
+        yield stmt
+        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            continue
+        for field in ("body", "orelse", "finalbody"):
+            yield from _module_statements(getattr(stmt, field, []))
+        for handler in getattr(stmt, "handlers", []):
+            yield from _module_statements(handler.body)
 
 
 def _bindings(node: ast.Import | ast.ImportFrom) -> list[tuple[str, str]]:
