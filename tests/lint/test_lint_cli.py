@@ -188,3 +188,14 @@ def test_lint_never_imports_torch(tmp_path):
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env())
     assert result.returncode == 0, result.stderr
+
+
+def test_unreadable_and_null_byte_files_are_reported_not_crashed_on(project, capsys):
+    (project / "latin.py").write_bytes(b"x = '\xff\xfe'\n")
+    (project / "nul.py").write_bytes(b"x = 1\x00\n")
+    write(project, "train.py", CLEAN)
+    assert main(["lint", "--format", "concise", str(project)]) == 1
+    out = capsys.readouterr().out
+    assert "latin.py:1:1: MP000 cannot read the file" in out
+    assert "nul.py:1:1: MP000 syntax error" in out
+    assert out.splitlines()[-1] == "2 problems in 2 files"

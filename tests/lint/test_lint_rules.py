@@ -365,3 +365,27 @@ def test_columns_count_characters_not_utf8_bytes():
     source = 'import torch\nnote = "é"; s = torch.cuda.amp.GradScaler()\n'
     (finding,) = lint_source(source)
     assert finding.col == source.splitlines()[1].index("torch") + 1
+
+
+def test_helpers_are_followed_three_calls_deep():
+    source = """
+    import torch
+
+    def clip(model):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+
+    def level2(model):
+        clip(model)
+
+    def level1(model):
+        level2(model)
+
+    def train(model, opt, loss):
+        scaler = torch.amp.GradScaler("cuda")
+        scaler.scale(loss).backward()
+        level1(model)
+        scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+    """
+    assert codes(source) == [(16, "MP101")]

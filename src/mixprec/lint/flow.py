@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from mixprec.lint.losses import SensitiveLosses
 from mixprec.lint.names import CLIPS, Autocast, Script, key_of, scale_receiver
 
-_MAX_DEPTH = 3
+_MAX_DEPTH = 3  # helper calls followed below the analysed function
 _GUARD_WORDS = ("inf", "finite", "nan", "overflow")
 
 
@@ -251,7 +251,7 @@ class Flow:
             self._emit("backward", call, frame, ctx, path, scaler=scaler, loss=kind)
             return
         callee = self._callee(call)
-        if callee is not None and id(callee) not in frame.stack and len(frame.stack) < _MAX_DEPTH:
+        if callee is not None and id(callee) not in frame.stack and len(frame.chain) <= _MAX_DEPTH:
             self._inline(call, callee, frame, ctx, path)
             return
         self._escapes(call, frame, ctx, path)
