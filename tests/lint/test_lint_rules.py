@@ -389,3 +389,25 @@ def test_helpers_are_followed_three_calls_deep():
         scaler.update()
     """
     assert codes(source) == [(16, "MP101")]
+
+
+def test_loop_that_branches_on_amp_at_each_stage_is_clean():
+    source = """
+    import torch
+    scaler = torch.amp.GradScaler("cuda", enabled=use_amp)
+    for x, y in loader:
+        with torch.autocast("cuda", dtype=torch.float16, enabled=use_amp):
+            loss = model(x, y)
+        if use_amp:
+            scaler.scale(loss).backward()
+            scaler.unscale_(optimizer)
+        else:
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if use_amp:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+    """
+    assert codes(source) == []

@@ -44,6 +44,7 @@ SCALERS: dict[str, int] = {
     "mixprec.GradScaler": 5,
     "torch.cuda.amp.GradScaler": 4,
     "torch.cpu.amp.GradScaler": 4,
+    "torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler": 5,
 }
 CLIPS = frozenset(
     {
