@@ -411,3 +411,17 @@ def test_loop_that_branches_on_amp_at_each_stage_is_clean():
             optimizer.step()
     """
     assert codes(source) == []
+
+
+def test_half_model_is_found_per_function_and_through_a_method_chain():
+    source = """
+    import torch
+
+    def export(model):
+        model.half()
+
+    def train(model):
+        model.cuda().half()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    """
+    assert codes(source) == [(8, "MP106")]

@@ -278,22 +278,24 @@ def _cast_16(script: Script, node: ast.AST) -> ast.Call | None:
 def _half_model(script: Script) -> list[Hit]:  # MP106
     if script.imported_roots & _STRATEGY_LIBS:
         return []
-    casts: dict[str, ast.Call] = {}
+    casts: list[tuple[str, ast.Call]] = []
     for node in script.nodes:
-        if isinstance(node, ast.Expr):
+        if isinstance(node, ast.Expr):  # model.half(), model.to(dev).half(): modules cast in place
             cast = _cast_16(script, node.value)
-            k = key_of(cast.func.value) if cast is not None else None
+            root = cast.func.value if cast is not None else None
+            while isinstance(root, ast.Call) and isinstance(root.func, ast.Attribute):
+                root = root.func.value
+            k = key_of(root)
         elif isinstance(node, ast.Assign) and len(node.targets) == 1:
             cast = _cast_16(script, node.value)
             k = key_of(node.targets[0])
         else:
             continue
-        if cast is not None and k is not None:
-            casts.setdefault(k, cast)
-    # A model rebound after the cast (get_peft_model, a wrapper) may train other parameters.
-    for k, cast in list(casts.items()):
-        if any(v.lineno > cast.lineno and script.same_scope(v, cast, k) for v in script.assigns.get(k, [])):
-            del casts[k]
+        # A model rebound after the cast (get_peft_model, a wrapper) may train other parameters.
+        if cast is not None and k is not None and not any(
+            v.lineno > cast.lineno and script.same_scope(v, cast, k) for v in script.assigns.get(k, [])
+        ):
+            casts.append((k, cast))
     trained: dict[str, list[ast.Call]] = {}  # model key -> torch.optim constructions over its parameters
     for call in script.calls:
         # torch.optim only: other libraries ship optimizers made for 16-bit weights (Kahan
@@ -306,7 +308,7 @@ def _half_model(script: Script) -> list[Hit]:  # MP106
                         trained.setdefault(key_of(node.func.value), []).append(call)
     return [
         Hit("MP106", cast, f"{k} is cast to 16 bits and its parameters are given to the optimizer: no fp32 master weights")
-        for k, cast in casts.items()
+        for k, cast in sorted(casts, key=lambda kc: kc[1].lineno)
         if any(script.same_scope(cast, opt, k) for opt in trained.get(k, []))
     ]
 
