@@ -53,6 +53,8 @@ _EXPORTS: dict[str, str] = {
     # master weights and memory (issue 5)
 
     # lint (issue 6)
+    "lint_paths": "mixprec.lint",
+    "lint_source": "mixprec.lint",
 
     # bench (issue 7)
 }

@@ -20,7 +20,7 @@ SUBCOMMANDS: dict[str, str] = {
     # memory (issue 5)
 
     # lint (issue 6)
-
+    "lint": "mixprec.lint.cli",
     # bench (issue 7)
 }
 

@@ -1,0 +1,392 @@
+"""The MP1xx rules: each reads the events of one function (see ``flow``) or the whole file.
+
+Every rule errs towards silence: when a name cannot be resolved, a dtype is decided at run time,
+or a scaler is handed to code that cannot be read, the rule does not report.
+"""
+
+from __future__ import annotations
+
+import ast
+
+from mixprec.lint.flow import Branch, Event, Flow, Region, exclusive
+from mixprec.lint.names import Script, argument, key_of, last
+from mixprec.lint.report import Hit
+
+_STRATEGY_LIBS = frozenset({"apex", "mixprec", "deepspeed"})  # own master weights / step order
+
+
+def place(event: Event, *others: Event | Region) -> ast.AST | None:
+    """Where to report a finding about ``event`` that also involves ``others``.
+
+    None when everything involved happened inside one call to a helper in this file: the
+    helper's own analysis reports it there, once.
+    """
+    sites = {event.site, *(o.site for o in others)}
+    if event.site is None:
+        return event.node
+    if None in sites or len(sites) > 1:
+        return event.site
+    return None
+
+
+def _via(event: Event) -> str:
+    return f" (in {ast.unparse(event.site.func)}())" if event.site is not None else ""
+
+
+def _before(events: list[Event], kind: str, later: Event) -> Event | None:
+    """The last ``kind`` event that runs before ``later`` in the same pass."""
+    found = [e for e in events if e.kind == kind and e.order < later.order and not exclusive(e, later)]
+    return found[-1] if found else None
+
+
+class FunctionChecks:
+    """The rules that read one function's events."""
+
+    def __init__(self, script: Script, events: list[Event]):
+        self.script = script
+        self.events = events
+        self.hits: list[Hit] = []
+
+    def of(self, kind: str) -> list[Event]:
+        return [e for e in self.events if e.kind == kind]
+
+    def hit(self, code: str, node: ast.AST | None, message: str) -> None:
+        if node is not None:
+            self.hits.append(Hit(code, node, message))
+
+    def live(self, scaler: str | None) -> bool:
+        """False only for a scaler every construction of which says ``enabled=False``."""
+        return self.script.scaler_enabled(scaler) is not False
+
+    def run(self) -> list[Hit]:
+        for check in (
+            self.clip_before_unscale,
+            self.in_autocast,
+            self.step_bypasses_scaler,
+            self.update_outside_loop,
+            self.update_twice,
+            self.precision_and_scaler,
+            self.step_on_unscaled,
+        ):
+            check()
+        return self.hits
+
+    def scaled_backward_before(self, event: Event) -> Event | None:
+        """The backward() that produced the gradients ``event`` sees, when a live scaler scaled it."""
+        back = _before(self.events, "backward", event)
+        if back is None or back.loss != "scaled" or not self.live(back.scaler):
+            return None
+        return back
+
+    def clip_before_unscale(self) -> None:  # MP101
+        for clip in self.of("clip"):
+            back = self.scaled_backward_before(clip)
+            if back is None:
+                continue
+            unscales = [e for e in self.of("unscale") if e.scaler == back.scaler]
+            if any(back.order < u.order < clip.order and not exclusive(u, clip) for u in unscales):
+                continue
+            later = any(u.order > clip.order for u in unscales)
+            what = (
+                f"clipped before {back.scaler}.unscale_()"
+                if later
+                else f"clipped while still scaled: no {back.scaler}.unscale_() between backward() and the clip"
+            )
+            self.hit("MP101", place(clip, back), f"gradients {what}{_via(clip)}")
+
+    def in_autocast(self) -> None:  # MP102, MP109, MP110
+        for event in self.events:
+            region = event.region
+            if region is None:
+                continue
+            if event.kind == "backward":
+                self.hit("MP102", place(event, region), f"backward() inside an autocast region{_via(event)}")
+            elif event.kind in ("opt_step", "scaler_step"):
+                who = event.target if event.kind == "opt_step" else event.scaler
+                self.hit("MP109", place(event, region), f"{who}.step() inside an autocast region{_via(event)}")
+            elif event.kind == "loss_call":
+                self.hit(
+                    "MP110",
+                    place(event, region),
+                    f"custom loss {event.name}() uses log/exp/pow/division and runs under autocast",
+                )
+
+    def step_bypasses_scaler(self) -> None:  # MP103
+        for step in self.of("opt_step"):
+            back = self.scaled_backward_before(step)
+            if back is None:
+                continue
+            if any(isinstance(p, Branch) and p.guard and p not in back.path for p in step.path):
+                continue  # a hand-written inf check decides the step
+            self.hit(
+                "MP103",
+                place(step, back),
+                f"{step.target}.step() called directly after {back.scaler}.scale(loss).backward(); "
+                f"use {back.scaler}.step({step.target}){_via(step)}",
+            )
+
+    def update_outside_loop(self) -> None:  # MP104 (the in-function half)
+        for step in self.of("scaler_step"):
+            if not self.live(step.scaler):
+                continue
+            root = (step.target or "").split(".")[0]
+            loops = [lp for lp in step.loops if root not in lp.targets]
+            if not loops:
+                continue
+            loop = loops[-1]
+            updates = [e for e in self.of("update") if e.scaler == step.scaler]
+            if not updates or any(loop in u.path for u in updates):
+                continue
+            if any(loop in e.path and _may_reach(e, step.scaler) for e in self.of("escape")):
+                continue
+            self.hit(
+                "MP104",
+                place(step, *updates),
+                f"{step.scaler}.step() runs every iteration but {step.scaler}.update() is outside the loop{_via(step)}",
+            )
+
+    def update_twice(self) -> None:  # MP105
+        updates = self.of("update")
+        reported: set[int] = set()
+        for i, second in enumerate(updates):
+            for first in updates[:i]:
+                if first.scaler != second.scaler or first.loops != second.loops or exclusive(first, second):
+                    continue
+                if id(second.node) not in reported:
+                    reported.add(id(second.node))
+                    self.hit(
+                        "MP105",
+                        place(second, first),
+                        f"{second.scaler}.update() called again in the same step (first on line "
+                        f"{(first.site or first.node).lineno}){_via(second)}",
+                    )
+        for update in updates:
+            for step in self.of("scaler_step"):
+                root = (step.target or "").split(".")[0]
+                loop = next((lp for lp in update.loops if root in lp.targets and lp in step.path), None)
+                if loop is not None and step.scaler == update.scaler:
+                    self.hit(
+                        "MP105",
+                        place(update, step),
+                        f"{update.scaler}.update() inside the loop over optimizers: once per optimizer, "
+                        f"not once per step{_via(update)}",
+                    )
+                    break
+
+    def precision_and_scaler(self) -> None:  # MP107, MP108
+        regions = [e for e in self.of("autocast") if e.ctx[-1].autocast.enabled is not False]
+        dtypes = {e.ctx[-1].autocast.dtype for e in regions}
+        backs = self.of("backward")
+        scaled = [b for b in backs if b.loss == "scaled" and self.live(b.scaler)]
+        if regions and dtypes == {"bf16"}:
+            for back in scaled:
+                if self.script.scaler_enabled(back.scaler) is True:
+                    self.hit(
+                        "MP107",
+                        place(back, *regions),
+                        f"GradScaler {back.scaler} used with bf16 autocast, which needs no loss scaling{_via(back)}",
+                    )
+                    break
+        fp16 = [e for e in regions if e.ctx[-1].autocast.dtype == "fp16"]
+        plain = [b for b in backs if b.loss == "plain" or (b.loss == "scaled" and not self.live(b.scaler))]
+        scaler_used = scaled or any(e.kind in ("scaler_step", "unscale", "update", "escape") for e in self.events)
+        if fp16 and plain and not scaler_used:
+            self.hit(
+                "MP108",
+                place(fp16[0], plain[0]),
+                f"float16 autocast with no GradScaler: backward() on line "
+                f"{(plain[0].site or plain[0].node).lineno} runs on an unscaled loss{_via(fp16[0])}",
+            )
+
+    def step_on_unscaled(self) -> None:  # MP112
+        for step in self.of("scaler_step"):
+            back = _before(self.events, "backward", step)
+            if back is None or back.loss != "plain" or not self.live(step.scaler):
+                continue
+            if any(b.loss == "scaled" and b.scaler == step.scaler for b in self.of("backward")):
+                continue
+            self.hit(
+                "MP112",
+                place(back, step),
+                f"backward() on an unscaled loss, then {step.scaler}.step() unscales the gradients; "
+                f"use {step.scaler}.scale(loss).backward(){_via(back)}",
+            )
+
+
+def _may_reach(escape: Event, scaler: str | None) -> bool:
+    return escape.scaler == scaler or (escape.scaler == "self" and (scaler or "").startswith("self."))
+
+
+# --- rules that read the whole file ---------------------------------------------------------
+
+
+def file_checks(script: Script) -> list[Hit]:
+    return [*_update_never_called(script), *_half_model(script), *_checkpoint_without_scaler(script)]
+
+
+def _method_calls(script: Script, method: str) -> list[tuple[str, ast.Call]]:
+    """(receiver key, call) for each ``key.method(...)``; every method when ``method`` is empty."""
+    out = []
+    for call in script.calls:
+        func = call.func
+        if isinstance(func, ast.Attribute) and method in ("", func.attr) and key_of(func.value):
+            out.append((key_of(func.value), call))
+    return out
+
+
+def _update_never_called(script: Script) -> list[Hit]:  # MP104 (the whole-file half)
+    """A scaler that is stepped but never updated anywhere in the file, and never handed to
+    code that might update it (compared by last name: ``self.scaler`` and ``trainer.scaler``
+    may be one object)."""
+    updated = {last(k) for k, _ in _method_calls(script, "update") if script.is_scaler(k)}
+    passed = set()
+    for call in script.calls:
+        for arg in [*call.args, *(kw.value for kw in call.keywords)]:
+            k = key_of(arg)
+            if k is not None:
+                passed.add(last(k))
+    hits = []
+    for k, call in _method_calls(script, "step"):
+        name = last(k)
+        if not script.is_scaler(k) or script.scaler_enabled(k) is False:
+            continue
+        if name in updated or name in passed or ("self" in passed and k.startswith("self.")):
+            continue
+        hits.append(Hit("MP104", call, f"{k}.step() but {k}.update() is never called"))
+    return hits
+
+
+def _cast_16(script: Script, node: ast.AST) -> ast.Call | None:
+    """The call in a method chain like ``Net().to(dev).half()`` that casts to fp16/bf16."""
+    while isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+        method = node.func.attr
+        if method in ("half", "bfloat16") and not node.args:
+            return node
+        if method == "from_pretrained":  # Hugging Face: from_pretrained(..., torch_dtype=torch.bfloat16)
+            if any(kw.arg in ("torch_dtype", "dtype") and script.dtype(kw.value) in ("fp16", "bf16") for kw in node.keywords):
+                return node
+        if method in ("to", "type"):
+            dtypes = [script.dtype(a) for a in node.args] + [
+                script.dtype(kw.value) for kw in node.keywords if kw.arg == "dtype"
+            ]
+            if any(d in ("fp16", "bf16") for d in dtypes):
+                return node
+        node = node.func.value
+    return None
+
+
+def _half_model(script: Script) -> list[Hit]:  # MP106
+    if script.imported_roots & _STRATEGY_LIBS:
+        return []
+    casts: list[tuple[str, ast.Call]] = []
+    for node in script.nodes:
+        if isinstance(node, ast.Expr):  # model.half(), model.to(dev).half(): modules cast in place
+            cast = _cast_16(script, node.value)
+            root = cast.func.value if cast is not None else None
+            while isinstance(root, ast.Call) and isinstance(root.func, ast.Attribute):
+                root = root.func.value
+            k = key_of(root)
+        elif isinstance(node, ast.Assign) and len(node.targets) == 1:
+            cast = _cast_16(script, node.value)
+            k = key_of(node.targets[0])
+        else:
+            continue
+        # A model rebound after the cast (get_peft_model, a wrapper) may train other parameters.
+        if cast is not None and k is not None and not any(
+            v.lineno > cast.lineno and script.same_scope(v, cast, k) for v in script.assigns.get(k, [])
+        ):
+            casts.append((k, cast))
+    trained: dict[str, list[ast.Call]] = {}  # model key -> torch.optim constructions over its parameters
+    for call in script.calls:
+        # torch.optim only: other libraries ship optimizers made for 16-bit weights (Kahan
+        # summation, stochastic rounding), which are the fix, not the trap.
+        if (script.qualname(call.func) or "").startswith("torch.optim."):
+            params = argument(call, 0, "params")
+            for node in ast.walk(params) if params is not None else ():
+                if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                    if node.func.attr in ("parameters", "named_parameters"):
+                        trained.setdefault(key_of(node.func.value), []).append(call)
+    return [
+        Hit("MP106", cast, f"{k} is cast to 16 bits and its parameters are given to the optimizer: no fp32 master weights")
+        for k, cast in sorted(casts, key=lambda kc: kc[1].lineno)
+        if any(script.same_scope(cast, opt, k) for opt in trained.get(k, []))
+    ]
+
+
+def _checkpoint_without_scaler(script: Script) -> list[Hit]:  # MP111
+    live = [k for k in script.scaler_keys if script.scaler_enabled(k) is not False]
+    if not live or any(script.is_scaler(k) for k, _ in _method_calls(script, "state_dict")):
+        return []
+    mutated = {k for k, _ in _method_calls(script, "update")} | {
+        key_of(t.value)
+        for node in script.nodes
+        if isinstance(node, (ast.Assign, ast.AugAssign))
+        for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+        if isinstance(t, ast.Subscript)
+    }
+    uses: dict[str, list[ast.Call]] = {}  # scaler -> calls of its methods
+    for k, call in _method_calls(script, ""):
+        uses.setdefault(k, []).append(call)
+    hits = []
+    for call in script.calls:
+        if script.qualname(call.func) != "torch.save" or not call.args:
+            continue
+        in_scope = [
+            k
+            for k in live
+            if any(script.owner(site) is None for site in script.scaler_sites.get(k, []))  # a script's global
+            or any(script.same_scope(call, use, k) for use in uses.get(k, []))
+        ]
+        if not in_scope:
+            continue
+        saved = call.args[0]
+        if key_of(saved) in mutated:
+            continue  # entries added later; cannot tell what ends up saved
+        if isinstance(saved, ast.Name):
+            saved = script.single_value(saved)
+        entries = _dict_entries(saved)
+        if entries is None:
+            continue
+        names = {k: str(k.value).lower() for k in entries if isinstance(k, ast.Constant)}
+        if any("scal" in name for name in names.values()):
+            continue
+        optimizer = [k for k, v in entries.items() if _is_state_dict(v) and script.is_optimizer(key_of(v.func.value))]
+        model = [k for k, v in entries.items() if k not in optimizer and (_is_state_dict(v) or "model" in names.get(k, ""))]
+        if not optimizer or not model:
+            continue
+        hits.append(
+            Hit("MP111", call, f"checkpoint saves model and optimizer state but not {sorted(in_scope)[0]}.state_dict()")
+        )
+    return hits
+
+
+def _is_state_dict(node: ast.AST) -> bool:
+    return (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "state_dict"
+        and key_of(node.func.value) is not None
+    )
+
+
+def _dict_entries(node: ast.AST | None) -> dict[ast.AST, ast.AST] | None:
+    """{key node: value node} of a dict display or ``dict(k=v)``; None for anything else."""
+    if isinstance(node, ast.Dict):
+        return {k: v for k, v in zip(node.keys, node.values) if k is not None}
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "dict":
+        return {ast.Constant(kw.arg): kw.value for kw in node.keywords if kw.arg}
+    return None
+
+
+def check(script: Script) -> list[Hit]:
+    """All MP1xx hits of a file, each place reported once."""
+    hits = file_checks(script)
+    if script.scaler_keys or script.uses_autocast:  # else no event rule can fire: skip the walk
+        flow = Flow(script)
+        bodies = [script.tree] + [f for defs in (*script.functions.values(), *script.methods.values()) for f in defs]
+        for body in bodies:
+            hits.extend(FunctionChecks(script, flow.function(body)).run())
+    unique: dict[tuple, Hit] = {}
+    for h in hits:
+        unique.setdefault((h.code, h.node.lineno, h.node.col_offset), h)
+    return list(unique.values())

@@ -1,0 +1,95 @@
+"""``mixprec lint PATH...``: the command-line face of the linter. Imports no torch."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from mixprec.lint.rules import RULES
+
+HELP = "check training scripts for mixed-precision traps without running them"
+DESCRIPTION = (
+    "Read Python training scripts (files or directories) and report the mixed-precision\n"
+    "traps in them: clipping before unscale_, backward() in autocast, a step that bypasses\n"
+    "the GradScaler, a 16-bit model without fp32 master weights, deprecated torch.cuda.amp...\n\n"
+    "Rules:\n"
+    + "\n".join(f"  {r.code}  {r.name}{'  (fixable)' if r.fixable else ''}" for r in RULES.values())
+    + "\n\nExit status: 0 nothing found, 1 problems found, 2 usage or config error.\n"
+    "Silence one line with '# noqa: MP101'; configure in [tool.mixprec.lint] of pyproject.toml."
+)
+
+
+def _codes(text: str) -> list[str]:
+    return [c for c in text.split(",") if c.strip()]
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("paths", nargs="*", metavar="PATH", help="files or directories to check")
+    parser.add_argument(
+        "--select", type=_codes, metavar="CODES", help="only these codes or prefixes, comma separated (e.g. MP1,MP201)"
+    )
+    parser.add_argument(
+        "--ignore", type=_codes, default=[], metavar="CODES", help="skip these codes or prefixes (added to the config's)"
+    )
+    parser.add_argument("--fix", action="store_true", help="rewrite files in place for the fixable rules")
+    parser.add_argument(
+        "--format",
+        choices=("text", "concise", "json"),
+        default="text",
+        help="text: each finding with why and fix; concise: one line each; json: a list of objects",
+    )
+    parser.add_argument("--config", metavar="FILE", help="pyproject.toml to read (default: nearest one upwards)")
+    parser.add_argument("--explain", metavar="CODE", help="print what a rule checks, why and how to fix it")
+
+
+def _explain(code: str) -> int:
+    rule = RULES.get(code.upper())
+    if rule is None:
+        print(f"mixprec lint: unknown rule {code!r}; expected one of {', '.join(RULES)}", file=sys.stderr)
+        return 2
+    print(f"{rule.code} {rule.name}{' (fixable with --fix)' if rule.fixable else ''}\n\nWhy: {rule.why}\nFix: {rule.fix}")
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    from mixprec.lint.config import ConfigError, load_config
+    from mixprec.lint.engine import lint_paths
+    from mixprec.lint.rules import UnknownCodeError, enabled_codes, expand_codes
+
+    if args.explain:
+        return _explain(args.explain)
+    if not args.paths:
+        print("mixprec lint: give at least one file or directory (mixprec lint --help)", file=sys.stderr)
+        return 2
+    try:
+        config = load_config(args.config)
+        origin = str(config.path) if config.path else "options"
+        codes = enabled_codes(args.select if args.select is not None else config.select, config.ignore, origin)
+        codes -= expand_codes(args.ignore, "--ignore")
+        result = lint_paths(args.paths, codes, fix=args.fix, exclude=config.exclude)
+    except (ConfigError, UnknownCodeError) as error:
+        print(f"mixprec lint: {error}", file=sys.stderr)
+        return 2
+    except FileNotFoundError as error:
+        print(f"mixprec lint: no such file or directory: {error}", file=sys.stderr)
+        return 2
+
+    if args.format == "json":
+        print(json.dumps([f.as_dict() for f in result.findings], indent=2))
+        return 1 if result.findings else 0
+    for path, count in result.fixed.items():
+        print(f"{path}: fixed {count} problem{'s' if count != 1 else ''}")
+    for finding in result.findings:
+        print(finding.as_text())
+        if args.format == "text":
+            rule = RULES[finding.code]
+            print(f"    why: {rule.why}\n    fix: {rule.fix}")
+    n, files = len(result.findings), result.files_with_findings
+    if n:
+        fixable = sum(f.fixable for f in result.findings)
+        hint = f" ({fixable} fixable with --fix)" if fixable and not args.fix else ""
+        print(f"{n} problem{'s' if n != 1 else ''} in {files} file{'s' if files != 1 else ''}{hint}")
+        return 1
+    print(f"no problems in {result.files} file{'s' if result.files != 1 else ''}")
+    return 0

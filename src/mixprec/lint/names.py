@@ -1,0 +1,359 @@
+"""What the names in a script refer to, found from its text alone.
+
+A rule asks "is this call torch.autocast?" or "is ``self.scaler`` a GradScaler?"; this module
+answers from the file's imports (``import torch.amp as amp``, ``from torch.cuda.amp import
+autocast as ac``) and its assignments (``self.scaler = GradScaler()``). When it cannot tell, it
+says so (``None``), and the rules then stay silent rather than guess.
+
+A *key* is the dotted text of a plain name chain: ``scaler``, ``self.scaler``, ``trainer.opt``.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from dataclasses import dataclass
+
+# Spellings of one object -> the one name the rules use.
+_CANONICAL = {
+    "torch.amp.autocast": "torch.autocast",
+    "torch.amp.autocast_mode.autocast": "torch.autocast",
+    "torch.amp.grad_scaler.GradScaler": "torch.amp.GradScaler",
+    "torch.cuda.amp.autocast_mode.autocast": "torch.cuda.amp.autocast",
+    "torch.cuda.amp.grad_scaler.GradScaler": "torch.cuda.amp.GradScaler",
+    "torch.cpu.amp.autocast_mode.autocast": "torch.cpu.amp.autocast",
+    "torch.cpu.amp.grad_scaler.GradScaler": "torch.cpu.amp.GradScaler",
+    "mixprec.scaling.GradScaler": "mixprec.GradScaler",
+    "torch.half": "torch.float16",
+    "torch.float": "torch.float32",
+    "torch.double": "torch.float64",
+    "torch.nn.utils.clip_grad.clip_grad_norm_": "torch.nn.utils.clip_grad_norm_",
+    "torch.nn.utils.clip_grad.clip_grad_value_": "torch.nn.utils.clip_grad_value_",
+    "torch.nn.utils.clip_grad.clip_grad_norm": "torch.nn.utils.clip_grad_norm",
+}
+
+# autocast constructor -> (positional parameter names, device when fixed by the API)
+AUTOCASTS: dict[str, tuple[tuple[str, ...], str | None]] = {
+    "torch.autocast": (("device_type", "dtype", "enabled", "cache_enabled"), None),
+    "torch.cuda.amp.autocast": (("enabled", "dtype", "cache_enabled"), "cuda"),
+    "torch.cpu.amp.autocast": (("enabled", "dtype", "cache_enabled"), "cpu"),
+}
+# GradScaler constructor -> positional index of ``enabled``
+SCALERS: dict[str, int] = {
+    "torch.amp.GradScaler": 5,
+    "mixprec.GradScaler": 5,
+    "torch.cuda.amp.GradScaler": 4,
+    "torch.cpu.amp.GradScaler": 4,
+    "torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler": 5,
+}
+CLIPS = frozenset(
+    {
+        "torch.nn.utils.clip_grad_norm_",
+        "torch.nn.utils.clip_grad_value_",
+        "torch.nn.utils.clip_grad_norm",
+    }
+)
+DTYPES = {"torch.float16": "fp16", "torch.bfloat16": "bf16", "torch.float32": "fp32", "torch.float64": "fp64"}
+# What torch.autocast uses when no dtype is given (torch.get_autocast_dtype's defaults).
+_DEFAULT_DTYPE = {"cuda": "fp16", "cpu": "bf16"}
+
+# opt, optim, optimizer, optimiser, alone or as a word of a snake/digit name: g_opt, optimizer2
+_OPTIMIZER_NAME = re.compile(r"(^|_)(opt|optim|optimizer|optimiser)s?\d*(_|$)|optimi[sz]er$", re.I)
+_SCALER_METHODS = frozenset({"step", "update", "scale", "unscale_", "get_scale"})
+
+
+def key_of(node: ast.AST | None) -> str | None:
+    """``self.scaler`` for ``self.scaler``; None for anything that is not a plain name chain."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        base = key_of(node.value)
+        return None if base is None else f"{base}.{node.attr}"
+    return None
+
+
+def last(key: str) -> str:
+    return key.rsplit(".", 1)[-1]
+
+
+def argument(call: ast.Call, index: int, name: str) -> ast.expr | None:
+    """The argument passed for parameter ``name`` (positional ``index``), or None."""
+    for kw in call.keywords:
+        if kw.arg == name:
+            return kw.value
+    if index < len(call.args) and not any(isinstance(a, ast.Starred) for a in call.args[: index + 1]):
+        return call.args[index]
+    return None
+
+
+@dataclass(frozen=True)
+class Autocast:
+    """One autocast constructor call. ``dtype`` is "fp16"/"bf16"/"fp32"/... or None (unknown);
+    ``enabled`` is True, False or None (decided at run time)."""
+
+    node: ast.expr
+    dtype: str | None
+    enabled: bool | None
+
+
+class Script:
+    """Facts about one parsed file that every rule shares."""
+
+    def __init__(self, tree: ast.Module):
+        self.tree = tree
+        self.nodes: list[ast.AST] = list(ast.walk(tree))  # walked once; the rules filter this list
+        self.aliases: dict[str, str] = {}
+        self.module_aliases: dict[str, str] = {}  # imports at module level only
+        self.deprecated_shims: set[str] = set()  # names imported from two modules (try/except)
+        self.imported_roots: set[str] = set()
+        self.assigns: dict[str, list[ast.expr]] = {}
+        self.functions: dict[str, list[ast.FunctionDef | ast.AsyncFunctionDef]] = {}
+        self.methods: dict[str, list[ast.FunctionDef | ast.AsyncFunctionDef]] = {}
+        self.classes: dict[str, ast.ClassDef] = {}
+        self.calls: list[ast.Call] = []
+        self._classdefs: list[ast.ClassDef] = []
+        self._collect()
+        self.scaler_enabled_by_key = self._scaler_constructions()
+        self.scaler_keys = set(self.scaler_enabled_by_key) | self._inferred_scalers()
+        self.optimizer_keys = self._optimizers()
+        self.uses_autocast = any(
+            self.qualname(n) in AUTOCASTS for n in self.nodes if isinstance(n, (ast.Name, ast.Attribute))
+        )
+
+    # --- collection ------------------------------------------------------------------------
+
+    def _collect(self) -> None:
+        seen: dict[str, set[str]] = {}
+        module_level = {id(n) for n in _module_statements(self.tree.body)}
+        for node in self.nodes:
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                top = id(node) in module_level
+                for name, target in _bindings(node):
+                    seen.setdefault(name, set()).add(target)
+                    self.aliases[name] = target
+                    if top:
+                        self.module_aliases[name] = target
+                    self.imported_roots.add(target.split(".")[0])
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
+                for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                    k = key_of(target)
+                    if k is not None:
+                        self.assigns.setdefault(k, []).append(node.value)
+            elif isinstance(node, ast.ClassDef):
+                self.classes[node.name] = node
+                self._classdefs.append(node)
+                for item in node.body:
+                    if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                        self.methods.setdefault(item.name, []).append(item)
+            elif isinstance(node, ast.Call):
+                self.calls.append(node)
+        methods = {id(m) for ms in self.methods.values() for m in ms}
+        for node in self.nodes:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and id(node) not in methods:
+                self.functions.setdefault(node.name, []).append(node)
+        self._defs = [f for fs in (*self.functions.values(), *self.methods.values()) for f in fs]
+        for name, targets in seen.items():
+            if len({canonical(t) for t in targets}) > 1:
+                self.deprecated_shims.add(name)
+        # A name the file also defines or assigns is not reliably the imported object (an
+        # ``except ImportError: torch = None`` fallback does not count).
+        for name in list(self.aliases):
+            rebound = [v for v in self.assigns.get(name, []) if not (isinstance(v, ast.Constant) and v.value is None)]
+            if name in self.functions or name in self.classes or rebound:
+                del self.aliases[name]
+                self.module_aliases.pop(name, None)
+
+    def _scaler_constructions(self) -> dict[str, bool | None]:
+        """key -> enabled (True, False, or None when run-time or constructed more than one way)."""
+        found: dict[str, set[bool | None]] = {}
+        self.scaler_sites: dict[str, list[ast.Call]] = {}
+        for k, values in self.assigns.items():
+            for value in values:
+                if isinstance(value, ast.Call) and self.qualname(value.func) in SCALERS:
+                    index = SCALERS[self.qualname(value.func)]
+                    found.setdefault(k, set()).add(self.constant(argument(value, index, "enabled"), True))
+                    self.scaler_sites.setdefault(k, []).append(value)
+        return {k: (v.pop() if len(v) == 1 else None) for k, v in found.items()}
+
+    def _inferred_scalers(self) -> set[str]:
+        """Receivers used the way only a GradScaler is: ``x.unscale_(...)``,
+        ``x.scale(loss).backward()``, or a ``*scaler*`` name stepped/updated."""
+        keys: set[str] = set()
+        for call in self.calls:
+            func = call.func
+            if not isinstance(func, ast.Attribute):
+                continue
+            k = key_of(func.value)
+            if func.attr == "unscale_" and k:
+                keys.add(k)
+            elif func.attr in _SCALER_METHODS and k and "scaler" in last(k).lower():
+                keys.add(k)
+            elif func.attr == "backward":
+                keys.update(s for s in (scale_receiver(c) for c in _calls_in(func.value)) if s)
+        return keys
+
+    def _optimizers(self) -> set[str]:
+        keys = set()
+        for k, values in self.assigns.items():
+            if any(isinstance(v, ast.Call) and self.is_optimizer_class(v.func) for v in values):
+                keys.add(k)
+        for call in self.calls:
+            func = call.func
+            if isinstance(func, ast.Attribute) and func.attr in ("step", "unscale_") and call.args:
+                if key_of(func.value) in self.scaler_keys and key_of(call.args[0]):
+                    keys.add(key_of(call.args[0]))
+        return keys
+
+    # --- questions -------------------------------------------------------------------------
+
+    def qualname(self, node: ast.AST) -> str | None:
+        """``torch.autocast`` for ``amp.autocast`` after ``import torch.amp as amp``."""
+        if isinstance(node, ast.Name):
+            target = self.aliases.get(node.id)
+            return canonical(target) if target else None
+        if isinstance(node, ast.Attribute):
+            base = self.qualname(node.value)
+            return canonical(f"{base}.{node.attr}") if base else None
+        return None
+
+    def single_value(self, node: ast.AST) -> ast.expr | None:
+        """The one value a plain name is ever assigned in this file, else None."""
+        k = key_of(node)
+        values = self.assigns.get(k, []) if k else []
+        return values[0] if len(values) == 1 else None
+
+    def constant(self, node: ast.AST | None, default=None, _depth: int = 0):
+        """A literal (or a name assigned one literal once); ``default`` when absent; else None."""
+        if node is None:
+            return default
+        if isinstance(node, ast.Constant):
+            return node.value
+        value = self.single_value(node)
+        if value is not None and _depth < 3:
+            return self.constant(value, None, _depth + 1)
+        return None
+
+    def dtype(self, node: ast.AST | None, _depth: int = 0) -> str | None:
+        if node is None:
+            return None
+        found = DTYPES.get(self.qualname(node) or "")
+        if found is None and _depth < 3:
+            value = self.single_value(node)
+            if value is not None:
+                return self.dtype(value, _depth + 1)
+        return found
+
+    def autocast(self, node: ast.AST | None, _depth: int = 0) -> Autocast | None:
+        """The autocast a ``with`` item or decorator enters, resolving ``ctx = torch.autocast(...)``
+        and ``nullcontext() if cpu else torch.autocast(...)``; None when it is not one."""
+        if isinstance(node, ast.IfExp):
+            arms = [a for a in (self.autocast(node.body, _depth), self.autocast(node.orelse, _depth)) if a]
+            if len(arms) == 2 and arms[0].dtype != arms[1].dtype:
+                return Autocast(node, None, None)
+            return arms[0] if arms else None
+        if isinstance(node, (ast.Name, ast.Attribute)) and _depth < 3:
+            value = self.single_value(node)
+            return self.autocast(value, _depth + 1) if value is not None else None
+        if not isinstance(node, ast.Call):
+            return None
+        spec = AUTOCASTS.get(self.qualname(node.func) or "")
+        if spec is None:
+            return None
+        params, device = spec
+        if device is None:
+            device = self.constant(argument(node, 0, "device_type"))
+        dtype_arg = argument(node, params.index("dtype"), "dtype")
+        if dtype_arg is None or (isinstance(dtype_arg, ast.Constant) and dtype_arg.value is None):
+            dtype = _DEFAULT_DTYPE.get(device) if isinstance(device, str) else None
+        else:
+            dtype = self.dtype(dtype_arg)
+        enabled = self.constant(argument(node, params.index("enabled"), "enabled"), True)
+        return Autocast(node, dtype, enabled if isinstance(enabled, bool) else None)
+
+    def is_optimizer_class(self, func: ast.AST) -> bool:
+        q = self.qualname(func) or ""
+        return (q.startswith("torch.optim.") or ".optim." in q or ".optimizers." in q) and not any(
+            word in q for word in ("lr_scheduler", "swa_utils")
+        )
+
+    def is_scaler(self, k: str | None) -> bool:
+        return k is not None and k in self.scaler_keys
+
+    def is_optimizer(self, k: str | None) -> bool:
+        if k is None or k in self.scaler_keys:
+            return False
+        name = last(k)
+        return k in self.optimizer_keys or (
+            bool(_OPTIMIZER_NAME.search(name)) and "sched" not in name.lower()
+        )
+
+    def scaler_enabled(self, k: str | None) -> bool | None:
+        """True/False when every construction of ``k`` says so literally; None otherwise."""
+        return self.scaler_enabled_by_key.get(k) if k else None
+
+    def owner(self, node: ast.AST, kinds=(ast.FunctionDef, ast.AsyncFunctionDef)) -> ast.AST | None:
+        """The innermost definition of ``kinds`` whose lines contain ``node``; None at module level."""
+        best = None
+        for candidate in self._classdefs if kinds is ast.ClassDef else self._defs:
+            if isinstance(candidate, kinds) and candidate.lineno <= node.lineno <= candidate.end_lineno:
+                if best is None or candidate.lineno >= best.lineno:
+                    best = candidate
+        return best
+
+    def same_scope(self, a: ast.AST, b: ast.AST, k: str) -> bool:
+        """Whether ``k`` at ``a`` and at ``b`` can be one object: one function (or both at module
+        level), or, for ``self.*``, two methods of one class."""
+        if self.owner(a) is self.owner(b):
+            return True
+        return k.startswith("self.") and self.owner(a, ast.ClassDef) is self.owner(b, ast.ClassDef) is not None
+
+    def torch_name(self) -> str | None:
+        """A module-level name bound to the ``torch`` module itself (for rewrites)."""
+        for name, target in self.module_aliases.items():
+            if target == "torch" and self.aliases.get(name) == "torch":
+                return name
+        return None
+
+
+def canonical(name: str) -> str:
+    return _CANONICAL.get(name, name)
+
+
+def scale_receiver(call: ast.Call) -> str | None:
+    """``scaler`` for the call ``scaler.scale(loss)``; None for other calls."""
+    func = call.func
+    if isinstance(func, ast.Attribute) and func.attr == "scale" and len(call.args) == 1:
+        return key_of(func.value)
+    return None
+
+
+def _calls_in(node: ast.AST) -> list[ast.Call]:
+    return [n for n in ast.walk(node) if isinstance(n, ast.Call)]
+
+
+def _module_statements(body: list[ast.stmt]):
+    """Statements that run at import time: the module body and the blocks of its if/try/with."""
+    for stmt in body:
+        yield stmt
+        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            continue
+        for field in ("body", "orelse", "finalbody"):
+            yield from _module_statements(getattr(stmt, field, []))
+        for handler in getattr(stmt, "handlers", []):
+            yield from _module_statements(handler.body)
+
+
+def _bindings(node: ast.Import | ast.ImportFrom) -> list[tuple[str, str]]:
+    """(local name, qualified name) for each name an import statement binds."""
+    if isinstance(node, ast.Import):
+        out = []
+        for alias in node.names:
+            if alias.asname:
+                out.append((alias.asname, alias.name))
+            else:  # ``import torch.cuda.amp`` binds ``torch``
+                root = alias.name.split(".")[0]
+                out.append((root, root))
+        return out
+    if node.level or not node.module:
+        return []
+    return [(a.asname or a.name, f"{node.module}.{a.name}") for a in node.names if a.name != "*"]

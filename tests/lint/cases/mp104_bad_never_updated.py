@@ -1,0 +1,9 @@
+import torch
+
+scaler = torch.amp.GradScaler("cuda")
+for x, y in loader:
+    with torch.autocast("cuda", dtype=torch.float16):
+        loss = model(x, y)
+    scaler.scale(loss).backward()
+    scaler.step(opt)  # expect: MP104
+    opt.zero_grad()
