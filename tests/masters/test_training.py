@@ -246,3 +246,16 @@ def test_state_dict_round_trips_through_torch_save():
     _, mp2, _ = setup("bf16-true-remainder", seed=3)
     mp2.load_state_dict(torch.load(buf))
     assert_bitwise_equal(mp.masters.masters(), mp2.masters.masters())
+
+
+def test_fused_optimizer_skips_on_device_and_leaves_fp16_true_unchanged():
+    make = lambda ps: torch.optim.AdamW(ps, lr=3e-3, fused=True)  # noqa: E731
+    model, mp, opt = setup("fp16-true", optimizer=make)
+    train(model, mp, opt, range(1))
+    before = snapshot(model, mp, opt)
+    (stats,) = train(model, mp, opt, range(1, 2), poison={1})
+    assert bool(stats.skipped)
+    after = snapshot(model, mp, opt)
+    for key in ("model", "opt"):
+        assert_bitwise_equal(before[key], after[key])
+    assert_bitwise_equal(before["mp"]["masters"], after["mp"]["masters"])
