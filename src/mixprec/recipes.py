@@ -173,7 +173,7 @@ register_recipe(
 
 
 
-def _storage_recipe(name: str, dtype: torch.dtype, master: str, description: str, **kw) -> Recipe:
+def _storage_recipe(name: str, dtype: torch.dtype, master: str, description: str) -> Recipe:
     """A 16-bit storage recipe: weights and grads in ``dtype``, autocast for the ops that must stay
     fp32 and for mixing with the fp32 parameters, fp32 output."""
     return Recipe(
@@ -185,47 +185,24 @@ def _storage_recipe(name: str, dtype: torch.dtype, master: str, description: str
         master=master,
         fp32_params=FP32_PARAMS,
         description=description,
-        **kw,
     )
 
 
-register_recipe(
-    _storage_recipe(
-        "bf16-true", torch.bfloat16, "fp32",
-        "bf16 weights and grads, fp32 master copy and optimizer state; norms, biases, embeddings in fp32",
-    ),
-)
-register_recipe(
-    _storage_recipe(
-        "fp16-true", torch.float16, "fp32",
-        "fp16 weights and grads, fp32 master copy and optimizer state, dynamic loss scaling (Apex O2)",
-    ),
-    aliases=("O2",),
-)
-register_recipe(
-    _storage_recipe(
-        "bf16-true-kahan", torch.bfloat16, "kahan",
-        "bf16 weights with a bf16 Kahan compensation buffer instead of a master (2 B/param less)",
-    ),
-)
-register_recipe(
-    _storage_recipe(
-        "bf16-true-sr", torch.bfloat16, "sr",
-        "bf16 weights, updates stochastically rounded (unbiased), no master (4 B/param less)",
-    ),
-)
-register_recipe(
-    _storage_recipe(
-        "bf16-true-remainder", torch.bfloat16, "remainder",
-        "bf16 weights + int16 remainders: an exact fp32 master in 2 extra bytes (Megatron's trick)",
-    ),
-)
-register_recipe(
-    _storage_recipe(
-        "bf16-pure", torch.bfloat16, "nearest",
-        "UNSAFE baseline: bf16 weights rounded to nearest after each step, no master: small updates vanish",
-    ),
-)
+for _name, _dtype, _master, _aliases, _description in (
+    ("bf16-true", torch.bfloat16, "fp32", (),
+     "bf16 weights and grads, fp32 master copy and optimizer state; norms, biases, embeddings in fp32"),
+    ("fp16-true", torch.float16, "fp32", ("O2",),
+     "fp16 weights and grads, fp32 master copy and optimizer state, dynamic loss scaling (Apex O2)"),
+    ("bf16-true-kahan", torch.bfloat16, "kahan", (),
+     "bf16 weights with a bf16 Kahan compensation buffer instead of a master (2 B/param less)"),
+    ("bf16-true-sr", torch.bfloat16, "sr", (),
+     "bf16 weights, updates stochastically rounded (unbiased), no master (4 B/param less)"),
+    ("bf16-true-remainder", torch.bfloat16, "remainder", (),
+     "bf16 weights + int16 remainders: an exact fp32 master in 2 extra bytes (Megatron's trick)"),
+    ("bf16-pure", torch.bfloat16, "nearest", (),
+     "UNSAFE baseline: bf16 weights rounded to nearest after each step, no master: small updates vanish"),
+):
+    register_recipe(_storage_recipe(_name, _dtype, _master, _description), aliases=_aliases)
 
 
 def list_recipes() -> list[Recipe]:
