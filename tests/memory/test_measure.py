@@ -24,6 +24,17 @@ SHAPE = TransformerShape(batch=4, seq=32, d_model=64, layers=2, heads=4, vocab=9
 EXACT = ("weights", "gradients", "masters", "autocast weight copies", "step-time fp32")
 
 
+_THREADS = torch.get_num_threads()
+
+
+def setup_module():
+    torch.set_num_threads(1)  # tiny models on a shared machine: one intra-op thread is far faster
+
+
+def teardown_module():
+    torch.set_num_threads(_THREADS)
+
+
 @pytest.fixture(scope="module")
 def task():
     return load_task(None, **CONFIG)
@@ -32,7 +43,6 @@ def task():
 @pytest.mark.parametrize("recipe", ["fp32", "bf16-mixed", "bf16-true", "fp16-true", "bf16-true-kahan",
                                     "bf16-true-sr", "bf16-true-remainder"])
 def test_plan_matches_measured_bytes_of_one_step(task, recipe):
-    torch.set_num_threads(1)
     measured = measure_step(task, recipe, "adamw", "cpu")
     p = plan(measured.counts, facts_from_recipe(get_recipe(recipe)), "adamw", SHAPE)
     for comp in EXACT:
@@ -85,7 +95,6 @@ def test_cli_counts_a_model_and_applies_the_fp32_rule(capsys):
 
 
 def test_cli_measure_puts_measured_bytes_beside_the_plan(capsys):
-    torch.set_num_threads(1)
     args = ["memory", "--measure", "--recipe", "bf16-true", "--json", "--batch", "16", "--seq", "64",
             "--d-model", "64", "--layers", "2", "--heads", "4", "--vocab", "96"]
     assert main(args) == 0
