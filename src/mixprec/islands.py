@@ -183,15 +183,17 @@ def keep_fp32(
                 f"fp32 island rule {r!r} matches no submodule name or class of {type(model).__name__}; "
                 f"use a qualified name from model.named_modules(), a class (name), or one of {sorted(_FAMILIES)}"
             )
-    chosen: list[str] = []
+    chosen: list[str] = []  # islands that match the rules (made now or earlier)
+    covered: list[str] = []  # every island: modules inside one need no island of their own
     for (name, module), hit in zip(modules, hits):
-        if any(c == "" or name.startswith(c + ".") for c in chosen):
-            continue  # already inside an island
-        if getattr(module, "_mixprec_island", None) is not None:
-            chosen.append(name)
-        elif hit:
+        if any(c == "" or name.startswith(c + ".") for c in covered):
+            continue
+        if getattr(module, "_mixprec_island", None) is None and hit:
             Fp32Island(device_type).attach(module)
-            chosen.append(name)
+        if getattr(module, "_mixprec_island", None) is not None:
+            covered.append(name)
+            if hit:
+                chosen.append(name)
     return chosen
 
 

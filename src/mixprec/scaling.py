@@ -15,8 +15,10 @@ unchanged, and with default arguments produces the same scales, skip decisions a
 
 Where host syncs remain: an unfused optimizer's ``step`` reads found_inf with ``.item()`` to decide
 whether to call ``optimizer.step()`` (one sync per optimizer per step, as in torch). Fused
-optimizers (``Adam/AdamW/SGD(fused=True)``) receive ``grad_scale`` / ``found_inf`` tensors and skip on
-the device: ``scale``/``unscale_``/``step``/``update`` then never sync. ``get_scale()``,
+optimizers (``Adam/AdamW/Adagrad/SGD(fused=True)``) receive ``grad_scale`` / ``found_inf`` tensors and
+skip on the device: ``scale``/``unscale_``/``step``/``update`` then never sync. Exception: fused SGD
+with momentum corrupts its momentum buffer on skipped steps (a torch bug), so it takes the
+unfused, syncing path here. ``get_scale()``,
 ``state_dict()``, ``was_skipped()`` and ``history()`` read device values and so sync when called.
 With a fused optimizer, ``on_floor="raise"/"warn"`` is checked at those reads (``check_floor()``);
 with an unfused one it is checked in ``update()`` on overflow steps only.
@@ -52,6 +54,20 @@ class _Stage(Enum):
 
 def _fresh_optimizer_state() -> dict[str, Any]:
     return {"stage": _Stage.READY, "found_inf_per_device": {}, "host_found_inf": None}
+
+
+def _fused_skip_unsafe(optimizer: torch.optim.Optimizer) -> bool:
+    """Fused optimizers whose on-device skip is known to touch state it must leave alone.
+
+    torch's fused SGD with momentum writes the momentum buffer on a step its ``found_inf`` says to
+    skip (on a first step it is left uninitialised: seen on torch 2.13 CPU; reported on 2.11 CUDA,
+    LibreYOLO PR #771), so the next real step diverges. Such optimizers take the unfused path:
+    the host decides, and a skipped step never calls ``optimizer.step()``. That costs the sync the
+    fused path avoids, and departs from torch's GradScaler, which corrupts the buffer.
+    """
+    if not isinstance(optimizer, torch.optim.SGD):
+        return False
+    return any(g.get("fused") and g.get("momentum", 0) != 0 for g in optimizer.param_groups)
 
 
 class GradScaler(torch.amp.GradScaler):
@@ -273,6 +289,24 @@ class GradScaler(torch.amp.GradScaler):
         state["found_inf_per_device"] = self._unscale_grads_(optimizer, inv_scale, found_inf, self._allow_fp16_grads)
         state["stage"] = _Stage.UNSCALED
 
+    def share_skip_decision(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        """Make several optimizers skip together: if any one's gradients hold inf/NaN, all skip.
+
+        torch lets each optimizer decide alone, so an overflow in one model part still lets the
+        others step (and a clip over all parameters spreads the inf into their grads first). Call
+        after ``unscale_`` of each optimizer, before ``step``. No host sync.
+        """
+        if not self._enabled or len(optimizers) < 2:
+            return
+        scale, _ = self._check_scale_growth_tracker("share_skip_decision")
+        states = [self._per_optimizer_states[id(o)] for o in optimizers]
+        found = [f.to(scale.device, non_blocking=True) for st in states for f in st["found_inf_per_device"].values()]
+        if not found:
+            return
+        combined = torch.stack(found).sum()
+        for st in states:
+            st["found_inf_per_device"] = {d: combined.to(d, non_blocking=True) for d in st["found_inf_per_device"]}
+
     # ------------------------------------------------------------------ step
 
     def _maybe_opt_step(self, optimizer: torch.optim.Optimizer, state: dict[str, Any], *args: Any, **kwargs: Any):
@@ -295,7 +329,7 @@ class GradScaler(torch.amp.GradScaler):
         if state["stage"] is _Stage.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
 
-        if getattr(optimizer, "_step_supports_amp_scaling", False):
+        if getattr(optimizer, "_step_supports_amp_scaling", False) and not _fused_skip_unsafe(optimizer):
             return self._fused_step(optimizer, state, *args, **kwargs)
 
         if state["stage"] is _Stage.READY:

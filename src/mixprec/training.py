@@ -311,6 +311,7 @@ class MixedPrecision:
         window_loss, self._loss_sum, self._micro = self._loss_sum, None, 0
         for opt in opts:
             self.scaler.unscale_(opt)  # before clipping: clip the true gradients, not scaled ones
+        self.scaler.share_skip_decision(opts)  # one overflow anywhere skips every optimizer
         grad_norm = self._clip_or_measure(opts, parameters, max_grad_norm, norm_type)
         for opt in opts:
             self.scaler.step(opt)

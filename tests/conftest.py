@@ -1,0 +1,21 @@
+"""Test-wide settings.
+
+The suite's tensors are tiny: one intra-op thread avoids OpenMP spin-waiting, which on a shared
+2-core machine costs more than the parallelism gains (a 6x8 Linear's backward took ~6 ms with two
+contended threads, well under 1 ms with one).
+"""
+
+import torch
+
+torch.set_num_threads(1)
+
+
+def src_env() -> dict[str, str]:
+    """Environment for subprocesses: import mixprec from this checkout's src/, installed or not."""
+    import os
+    from pathlib import Path
+
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env

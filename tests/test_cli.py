@@ -1,0 +1,53 @@
+"""The mixprec command: help, unknown commands, 'recipes'."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import src_env
+from mixprec.cli import main
+
+
+def test_no_command_prints_help_and_exits_2(capsys):
+    assert main([]) == 2
+    assert "usage: mixprec" in capsys.readouterr().out
+
+
+def test_help_lists_subcommands(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    assert "recipes" in capsys.readouterr().out
+
+
+def test_unknown_command_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["fly"])
+    assert e.value.code == 2
+    assert "invalid choice: 'fly'" in capsys.readouterr().err
+
+
+def test_recipes_json_names_auto_and_its_reason(capsys):
+    assert main(["recipes", "--json", "--device", "cpu"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    names = [r["name"] for r in data["recipes"]]
+    assert {"fp32", "bf16-mixed", "fp16-mixed"} <= set(names)
+    assert data["auto"]["recipe"] in names and data["auto"]["reason"].startswith("auto:")
+
+
+def test_recipes_table_prints(capsys):
+    assert main(["recipes", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "fp16-mixed" in out and "auto ->" in out
+
+
+def test_recipes_bad_device_exits_2(capsys):
+    assert main(["recipes", "--device", "warp-drive"]) == 2
+    assert "Unknown device" in capsys.readouterr().out
+
+
+def test_console_script_runs():
+    out = subprocess.run([sys.executable, "-m", "mixprec", "--version"], capture_output=True, text=True, env=src_env())
+    assert out.returncode == 0 and out.stdout.startswith("mixprec ")

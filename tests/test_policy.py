@@ -1,0 +1,67 @@
+"""Policy and jmp's string grammar."""
+
+import collections
+
+import pytest
+import torch
+
+from mixprec import Policy, get_policy
+
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("p=f32,c=bf16,o=f32", (F32, BF16, F32)),
+        ("params=float32,compute=bfloat16,output=float32", (F32, BF16, F32)),
+        ("c=f16", (F32, F16, F16)),  # params default f32, output defaults to compute
+        ("p=bf16", (BF16, BF16, BF16)),  # compute defaults to params
+        ("bf16", (BF16, BF16, BF16)),  # no '=': one dtype for all
+        ("half", (F16, F16, F16)),
+        (" p = f32 , c = bf16 ", (F32, BF16, BF16)),
+    ],
+)
+def test_jmp_grammar_and_defaults(text, expected):
+    p = get_policy(text)
+    assert (p.param_dtype, p.compute_dtype, p.output_dtype) == expected
+
+
+def test_str_round_trips_in_jmp_short_names():
+    p = get_policy("params=float32,compute=bfloat16,output=float32")
+    assert str(p) == "p=f32,c=bf16,o=f32" and get_policy(str(p)) == p
+
+
+@pytest.mark.parametrize(
+    "text,match",
+    [
+        ("p=f32,c=bf61", "Unknown dtype 'bf61' in policy 'p=f32,c=bf61'; expected one of"),
+        ("p=f32,x=bf16", "Unknown key 'x' in policy"),
+        ("p=f32,bf16", "Malformed part 'bf16'"),
+        ("p=f32,p=bf16", "Key 'p' given twice"),
+        ("", "Empty policy string"),
+    ],
+)
+def test_bad_policies_name_the_bad_token_and_what_is_allowed(text, match):
+    with pytest.raises(ValueError, match=match):
+        get_policy(text)
+
+
+def test_casts_only_floating_tensors_and_keeps_containers():
+    Pair = collections.namedtuple("Pair", "a b")
+    p = get_policy("p=f32,c=bf16,o=f32")
+    tree = {"x": torch.ones(2), "i": torch.arange(3), "flag": torch.tensor(True), "n": 3, "s": "txt", "t": Pair(torch.ones(1), 1.5)}
+    out = p.cast_to_compute(tree)
+    assert out["x"].dtype == BF16 and out["i"].dtype == torch.int64 and out["flag"].dtype == torch.bool
+    assert out["n"] == 3 and out["s"] == "txt" and isinstance(out["t"], Pair) and out["t"].b == 1.5
+    assert out["t"].a.dtype == BF16
+    assert p.cast_to_output(out)["x"].dtype == F32
+    assert p.cast_to_param([torch.ones(1, dtype=F16)])[0].dtype == F32
+
+
+def test_policy_is_frozen_and_accepts_names():
+    p = Policy("f32", "bf16", "f32")
+    assert p.compute_dtype == BF16
+    with pytest.raises(Exception):
+        p.compute_dtype = F16  # type: ignore[misc]
+    assert p.with_output_dtype("bf16").output_dtype == BF16

@@ -1,0 +1,58 @@
+"""The public surface is what mixprec.__all__ lists: pinned here, and each name resolves."""
+
+import doctest
+import importlib
+import pkgutil
+import subprocess
+import sys
+
+import pytest
+
+import mixprec
+from conftest import src_env
+
+CORE = {
+    "FloatFormat", "get_format", "Policy", "get_policy", "Recipe", "get_recipe", "resolve_recipe",
+    "list_recipes", "register_recipe", "GradScaler", "StaticLossScaler", "NoOpScaler", "ScaleFloorError",
+    "fp32_island", "Fp32Island", "keep_fp32", "Fp32LayerNorm", "Fp32GroupNorm", "Fp32RMSNorm",
+    "MixedPrecision", "StepStats", "Task", "load_task", "__version__",
+}
+
+
+def test_core_names_are_public_and_resolve():
+    assert CORE <= set(mixprec.__all__)
+    for name in mixprec.__all__:
+        assert getattr(mixprec, name) is not None, name
+    assert sorted(mixprec.__all__[:-1]) == mixprec.__all__[:-1]
+
+
+def test_unknown_attribute_is_an_attribute_error():
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        mixprec.nope  # noqa: B018
+
+
+def _run(code: str) -> str:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=src_env()).stdout
+
+
+def test_import_and_cli_help_do_not_load_torch():
+    out = _run(
+        "import sys, mixprec, mixprec.cli\n"
+        "try:\n    mixprec.cli.main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH')"
+    )
+    assert out.strip().endswith("NO-TORCH")
+
+
+def _modules():
+    for info in pkgutil.walk_packages(mixprec.__path__, "mixprec."):
+        if info.name.startswith("mixprec.jax") or info.name == "mixprec.__main__":
+            continue
+        yield info.name
+
+
+@pytest.mark.parametrize("name", list(_modules()))
+def test_docstring_examples_run(name):
+    module = importlib.import_module(name)
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    assert result.failed == 0, f"{result.failed} doctest failure(s) in {name}"

@@ -1,0 +1,101 @@
+"""Recipe names, aliases, jmp strings, 'auto' and what a device can run."""
+
+import dataclasses
+
+import pytest
+import torch
+
+import mixprec
+from mixprec import recipes
+from mixprec.recipes import Recipe, get_recipe, resolve_recipe
+
+
+@pytest.mark.parametrize(
+    "name,canon",
+    [("fp32", "fp32"), ("32-true", "fp32"), ("O0", "fp32"), ("bf16-mixed", "bf16-mixed"), ("BF16", "bf16-mixed"),
+     ("16-mixed", "fp16-mixed"), ("fp16-mixed", "fp16-mixed"), ("O1", "fp16-mixed"), ("16", "fp16-mixed")],
+)
+def test_names_and_aliases(name, canon):
+    assert resolve_recipe(name, "cpu").name == canon
+
+
+def test_recipes_carry_more_than_a_dtype():
+    fp16 = get_recipe("fp16-mixed")
+    assert (fp16.loss_scaling, fp16.autocast, fp16.fp32_modules) == ("dynamic", True, ("norms",))
+    bf16 = get_recipe("bf16-mixed")
+    assert (bf16.loss_scaling, str(bf16.policy)) == ("none", "p=f32,c=bf16,o=f32")
+    assert not get_recipe("fp32").autocast and not get_recipe("fp32").is_mixed and bf16.is_mixed
+
+
+@pytest.mark.parametrize("text,scaling,compute", [("p=f32,c=bf16,o=f32", "none", torch.bfloat16), ("c=f16,o=f32", "dynamic", torch.float16), ("f32", "none", torch.float32)])
+def test_jmp_policy_strings_become_recipes(text, scaling, compute):
+    r = resolve_recipe(text, "cpu")
+    assert r.loss_scaling == scaling and r.compute_dtype == compute and r.autocast == (compute != torch.float32)
+
+
+def test_unknown_recipe_lists_what_is_accepted():
+    with pytest.raises(ValueError, match="Unknown recipe 'bf16-mixd'; expected one of auto, fp32, bf16-mixed, fp16-mixed.*mixprec recipes"):
+        resolve_recipe("bf16-mixd", "cpu")
+    with pytest.raises(ValueError, match="Unknown dtype 'bf61'"):
+        resolve_recipe("p=f32,c=bf61", "cpu")
+
+
+def test_unknown_device_is_a_clear_error():
+    with pytest.raises(ValueError, match="Unknown device 'gpu0'"):
+        resolve_recipe("fp32", "gpu0")
+
+
+def test_auto_on_cpu_without_native_bf16_picks_fp32_and_says_why(monkeypatch):
+    monkeypatch.setattr(recipes, "cpu_bf16_support", lambda: (False, "this CPU has neither AVX512-BF16 nor AMX"))
+    r = resolve_recipe("auto", "cpu")
+    assert r.name == "fp32" and "neither AVX512-BF16 nor AMX" in r.reason and r.reason.startswith("auto:")
+
+
+def test_auto_on_cpu_with_amx_picks_bf16(monkeypatch):
+    monkeypatch.setattr(recipes, "cpu_bf16_support", lambda: (True, "this CPU has AMX"))
+    r = resolve_recipe("auto", "cpu")
+    assert r.name == "bf16-mixed" and "AMX" in r.reason
+
+
+def test_auto_reflects_this_machine():
+    ok, found = recipes.cpu_bf16_support()
+    assert resolve_recipe("auto", "cpu").name == ("bf16-mixed" if ok else "fp32")
+    assert "CPU" in found
+
+
+@pytest.mark.parametrize("bf16,expected", [(True, "bf16-mixed"), (False, "fp16-mixed")])
+def test_auto_on_cuda_picks_by_native_bf16(monkeypatch, bf16, expected):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "Fake GPU")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=0: (9, 0) if bf16 else (7, 5))
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: bf16)
+    r = recipes._auto(torch.device("cuda"))
+    assert r.name == expected and "Fake GPU" in r.reason
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_recipe_on_missing_cuda_says_what_to_do():
+    with pytest.raises(RuntimeError, match="CUDA is not available.*Use device='cpu'"):
+        resolve_recipe("bf16-mixed", "cuda")
+
+
+def test_register_recipe_adds_names_and_refuses_duplicates():
+    r = Recipe("test-recipe-x", mixprec.get_policy("p=f32,c=bf16,o=f32"), autocast=True)
+    try:
+        recipes.register_recipe(r, aliases=("trx",))
+        assert resolve_recipe("TRX", "cpu") is r
+        with pytest.raises(ValueError, match="already registered"):
+            recipes.register_recipe(r)
+        with pytest.raises(ValueError, match="already registered"):
+            recipes.register_recipe(dataclasses.replace(r, name="auto"))
+    finally:
+        for k in ("test-recipe-x", "trx"):
+            recipes._ALIASES.pop(k, None)
+        recipes._REGISTRY.pop("test-recipe-x", None)
+        recipes._DISPLAY_ALIASES.pop("test-recipe-x", None)
+
+
+def test_bad_loss_scaling_kind_is_rejected():
+    with pytest.raises(ValueError, match="expected 'none', 'static' or 'dynamic'"):
+        Recipe("x", mixprec.get_policy("f32"), loss_scaling="sometimes")  # type: ignore[arg-type]
