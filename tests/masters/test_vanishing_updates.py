@@ -44,11 +44,8 @@ def _least_squares(recipe: str) -> tuple[list[float], torch.Tensor, torch.Tensor
 
 @pytest.fixture(scope="module")
 def runs():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # a module fixture runs before the per-test one-thread fixture
-    yield {r: _least_squares(r) for r in
+    return {r: _least_squares(r) for r in
             ("fp32", "bf16-pure", "bf16-true", "bf16-true-kahan", "bf16-true-sr", "bf16-true-remainder")}
-    torch.set_num_threads(before)
 
 
 def _relative(losses: list[float], step: int) -> float:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from mixprec.cli import main
 from mixprec.memory import TransformerShape, facts_from_recipe, plan
@@ -22,17 +21,6 @@ SHAPE = TransformerShape(batch=4, seq=32, d_model=64, layers=2, heads=4, vocab=9
 # activations follow the formula in mixprec.memory.activation_bytes within 1% (measured: 0.3%;
 # what it leaves out: the attention mask and nll_loss's total weight).
 EXACT = ("weights", "gradients", "masters", "autocast weight copies", "step-time fp32")
-
-
-_THREADS = torch.get_num_threads()
-
-
-def setup_module():
-    torch.set_num_threads(1)  # tiny models on a shared machine: one intra-op thread is far faster
-
-
-def teardown_module():
-    torch.set_num_threads(_THREADS)
 
 
 @pytest.fixture(scope="module")

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import pathlib
 import subprocess
 import sys
 
 import pytest
+from conftest import src_env
 
-import mixprec.memory
 from mixprec.memory import (
     OPTIMIZER_STATE_BYTES, ParamCounts, StorageFacts, TransformerShape, activation_bytes, facts_from_recipe,
     parse_count, plan,
@@ -97,6 +96,5 @@ def test_bad_shape_and_counts_are_refused():
 
 def test_the_planner_module_does_not_import_torch():
     code = "import sys, mixprec.memory; print('torch' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={"PYTHONPATH": str(pathlib.Path(mixprec.memory.__file__).parents[1])})
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=src_env())
     assert out.stdout.strip() == "False"
