@@ -11,12 +11,14 @@ so views and ties count once):
   weight copies are saved tensors too; they are told apart by matching a parameter's shape (or its transpose).
 - step-time fp32: what the fp32 masters' gradients and rebuilt values hold when the optimizer
   steps (an optimizer pre-step hook).
-- on CUDA, also ``torch.cuda.max_memory_allocated()`` over the step: the real peak.
+- on CUDA, also ``torch.cuda.max_memory_allocated()`` over the step, less what was allocated
+  before the model was built: the real peak of this model's training.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import gc
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -95,6 +97,12 @@ def measure_step(task: Task, recipe: str | Recipe, optimizer: str = "adamw", dev
     """Build ``task``'s model, prepare it for ``recipe``, run one step and measure what it held."""
     dev = as_device(device)
     rec = resolve_recipe(recipe, dev)
+    cuda = dev.type == "cuda"
+    base = 0
+    if cuda:  # earlier runs' tensors may wait in reference cycles: collect them, then count from here
+        gc.collect()
+        torch.cuda.synchronize(dev)
+        base = torch.cuda.memory_allocated(dev)
     torch.manual_seed(seed)
     model = task.build_model().to(dev)
     counts = count_params(model, rec)
@@ -127,7 +135,6 @@ def measure_step(task: Task, recipe: str | Recipe, optimizer: str = "adamw", dev
         step_time.append(_nbytes([*values, *(p.grad for p in held if p.grad is not None)]))
 
     hooks.append(opt.register_step_pre_hook(pre_step))
-    cuda = dev.type == "cuda"
     if cuda:
         torch.cuda.synchronize(dev)
         torch.cuda.reset_peak_memory_stats(dev)
@@ -141,7 +148,7 @@ def measure_step(task: Task, recipe: str | Recipe, optimizer: str = "adamw", dev
         peak = None
         if cuda:
             torch.cuda.synchronize(dev)
-            peak = torch.cuda.max_memory_allocated(dev)
+            peak = torch.cuda.max_memory_allocated(dev) - base
     finally:
         for h in hooks:
             h.remove()

@@ -28,9 +28,9 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def setup(recipe: str, seed: int = 0, optimizer: Callable[..., torch.optim.Optimizer] | None = None,
-          **mp_kwargs: Any) -> tuple[nn.Module, MixedPrecision, torch.optim.Optimizer]:
-    mp = MixedPrecision(recipe, "cpu", **mp_kwargs)
-    model = mp.prepare(tiny_gpt(seed))
+          device: str = "cpu", **mp_kwargs: Any) -> tuple[nn.Module, MixedPrecision, torch.optim.Optimizer]:
+    mp = MixedPrecision(recipe, device, **mp_kwargs)
+    model = mp.prepare(tiny_gpt(seed).to(device))
     make = optimizer or (lambda params: torch.optim.AdamW(params, lr=3e-3, weight_decay=0.1))
     return model, mp, make(mp.parameters(model))
 
@@ -41,7 +41,7 @@ def train(model: nn.Module, mp: MixedPrecision, opt: torch.optim.Optimizer, step
     stats = []
     for step in steps:
         for micro in range(mp.accumulate):
-            x, y = batch(step * mp.accumulate + micro)
+            x, y = (t.to(mp.device) for t in batch(step * mp.accumulate + micro))
             with mp.autocast():
                 out = model(x)
             loss = lm_loss(out, y)

@@ -259,3 +259,4 @@ def test_fused_optimizer_skips_on_device_and_leaves_fp16_true_unchanged():
     for key in ("model", "opt"):
         assert_bitwise_equal(before[key], after[key])
     assert_bitwise_equal(before["mp"]["masters"], after["mp"]["masters"])
+

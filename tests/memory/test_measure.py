@@ -48,19 +48,6 @@ def test_optimizer_state_plan_matches_torch(task, optimizer):
     assert measured.bytes["optimizer state"] == p.bytes["optimizer state"] + scalars
 
 
-@pytest.mark.cuda
-def test_plan_peak_matches_cuda_max_memory_allocated():
-    # a model large enough that cuBLAS workspaces and the batch are small beside it
-    big = load_task(None, batch_size=8, seq_len=256, d_model=1024, n_layer=4, n_head=16)
-    shape = TransformerShape(8, 256, 1024, 4, 16, vocab=96)
-    for recipe in ("fp32", "bf16-mixed", "bf16-true", "bf16-true-sr"):
-        m = measure_step(big, recipe, "adamw", "cuda")
-        p = plan(m.counts, facts_from_recipe(get_recipe(recipe)), "adamw", shape)
-        # the plan adds all gradients to all activations, while backward frees activations as
-        # gradients arrive: an upper bound, within 20% of the real peak for a model this size
-        assert 0.8 * p.peak < m.peak_allocated < 1.05 * p.peak, (recipe, m.peak_allocated, p.peak)
-
-
 def test_cli_json_reproduces_the_seed_figure(capsys):
     assert main(["memory", "--params", "7e9", "--recipe", "bf16-mixed", "--optimizer", "adamw", "--json"]) == 0
     (result,) = json.loads(capsys.readouterr().out)["plans"]
