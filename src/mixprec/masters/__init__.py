@@ -13,6 +13,7 @@ The loop is the core one; only the optimizer is built over ``mp.parameters(model
     mp.step(loss, opt)                                 # steps the masters, writes bf16 back
 
 - ``strategy``: the strategies and the contract ``MixedPrecision.step`` relies on.
+- ``guard``: the optimizer pre-step hook that refuses to train 16-bit weights without masters.
 - ``rounding``: stochastic rounding, Kahan addition, fp32 <-> bf16 + int16 remainder.
 - ``rules``: which parameters stay fp32.
 """

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from mixprec.formats import get_format
+from mixprec.masters.guard import built_over_16bit, install_guard
 from mixprec.masters.rounding import join_fp32, kahan_add_, split_fp32, stochastic_round_bf16
 from mixprec.masters.rules import ParamRule, fp32_param_names
 
@@ -70,7 +71,7 @@ class MasterWeights:
         self.fp32_names: list[str] = []
         self._model: nn.Module | None = None
         self._by_param: dict[int, _Slot] = {}
-        self._stepping = False
+        self.stepping = False
         self._placeholders: dict[torch.device, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ attach
@@ -98,7 +99,7 @@ class MasterWeights:
                 self.slots.append(slot)
                 self._by_param[id(p)] = slot
         self._model = model
-        _install_guard()
+        install_guard()
 
     def _placeholder(self, p: torch.Tensor) -> torch.Tensor:
         """A zero-byte fp32 stand-in of ``p``'s shape (one shared scalar, expanded)."""
@@ -132,7 +133,7 @@ class MasterWeights:
             for group in opt.param_groups:
                 for p in group["params"]:
                     if id(p) in self._by_param:
-                        raise ValueError(_built_over_16bit(self._by_param[id(p)].name, self.storage_dtype))
+                        raise ValueError(built_over_16bit(self._by_param[id(p)].name, self.storage_dtype))
 
     # ------------------------------------------------------------------ the step
 
@@ -153,7 +154,7 @@ class MasterWeights:
             if boundary:
                 for s in self.slots:
                     s.proxy.data = self._materialize(s)
-                self._stepping = True
+                self.stepping = True
 
     def after_step(self) -> None:
         """Write the stepped fp32 values back into 16-bit storage and release step-only memory."""
@@ -162,7 +163,7 @@ class MasterWeights:
                 self._write_back(s, s.proxy.data)
                 s.proxy.grad = None
                 self._release(s)
-        self._stepping = False
+        self.stepping = False
 
     # ------------------------------------------------------------------ per strategy
 
@@ -198,7 +199,8 @@ class MasterWeights:
         """Bytes held now: 16-bit parameters, fp32 parameters, and the strategy's own state."""
         model = self._check_model(None)
         stored = sum(s.param.numel() * s.param.element_size() for s in self.slots)
-        fp32 = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n in set(self.fp32_names))
+        keep = set(self.fp32_names)
+        fp32 = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n in keep)
         extra = sum(t.numel() * t.element_size() for s in self.slots for t in self.extra_tensors(s))
         return {"stored_16bit": stored, "fp32_params": fp32, "masters": extra}
 
@@ -414,56 +416,3 @@ def make_masters(kind: str, storage_dtype: torch.dtype, fp32_params: Sequence[Pa
     if cls is None:
         raise ValueError(f"unknown master-weight strategy {kind!r}; expected one of {sorted(STRATEGIES)}")
     return cls(storage_dtype, fp32_params)
-
-
-# ---------------------------------------------------------------- the guard on optimizer.step()
-
-
-def _built_over_16bit(name: str, dtype: torch.dtype) -> str:
-    return (
-        f"the optimizer holds parameter {name!r}, which this recipe stores in {get_format(dtype).name}: "
-        "stepping it would update the 16-bit weight directly and lose small updates (no master "
-        "weights). Build the optimizer over mp.parameters(model) (the fp32 masters), e.g. "
-        "torch.optim.AdamW(mp.parameters(model), lr=...)."
-    )
-
-
-def _guard(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """Global optimizer pre-step hook: 16-bit stored weights train only through ``mp.step``.
-
-    Runs for every optimizer in the process once a 16-bit storage recipe has prepared a model; what
-    it finds is cached on the optimizer until its parameter count changes, so a step costs a sum.
-    """
-    count = sum(len(g["params"]) for g in optimizer.param_groups)
-    cached = optimizer.__dict__.get("_mixprec_guard")
-    if cached is None or cached[0] != count:
-        roles = [
-            r for g in optimizer.param_groups for p in g["params"]
-            if (r := getattr(p, "_mixprec_role", None)) is not None
-        ]
-        role = next((r for r in roles if r[0] == "stored"), roles[0] if roles else None)
-        cached = optimizer.__dict__["_mixprec_guard"] = (count, role)
-    role = cached[1]
-    if role is None:
-        return
-    kind, owner, name = role
-    if kind == "stored":
-        raise RuntimeError(_built_over_16bit(name, owner.storage_dtype))
-    if not owner._stepping:
-        raise RuntimeError(
-            f"optimizer.step() was called directly on the fp32 masters of a {owner.kind!r} master-weight "
-            f"recipe (parameter {name!r}): mp.step(loss, optimizer) fills in their gradients and values "
-            "and writes the result back into the 16-bit model. Call mp.step(loss, optimizer) instead of "
-            "loss.backward(); optimizer.step()."
-        )
-
-
-_GUARD_HANDLE: Any = None
-
-
-def _install_guard() -> None:
-    global _GUARD_HANDLE
-    if _GUARD_HANDLE is None:
-        from torch.optim.optimizer import register_optimizer_step_pre_hook
-
-        _GUARD_HANDLE = register_optimizer_step_pre_hook(_guard)
