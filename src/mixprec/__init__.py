@@ -51,6 +51,12 @@ _EXPORTS: dict[str, str] = {
     # diagnostics (issue 4)
 
     # master weights and memory (issue 5)
+    "MasterWeights": "mixprec.masters",
+    "fp32_param_names": "mixprec.masters",
+    "stochastic_round_bf16": "mixprec.masters",
+    "kahan_add_": "mixprec.masters",
+    "split_fp32": "mixprec.masters",
+    "join_fp32": "mixprec.masters",
 
     # lint (issue 6)
     "lint_paths": "mixprec.lint",

@@ -18,7 +18,7 @@ SUBCOMMANDS: dict[str, str] = {
     # doctor (issue 4)
 
     # memory (issue 5)
-
+    "memory": "mixprec.memory_cli",
     # lint (issue 6)
     "lint": "mixprec.lint.cli",
     # bench (issue 7)

@@ -10,6 +10,8 @@ at the device and says why it chose what it chose.
 ('p=f32,c=f16,o=f32', 'dynamic')
 >>> resolve_recipe("p=f32,c=bf16,o=f32", "cpu").name
 'p=f32,c=bf16,o=f32'
+>>> resolve_recipe("p=bf16,c=bf16,o=f32", "cpu").master  # 16-bit storage always comes with masters
+'fp32'
 """
 
 from __future__ import annotations
@@ -29,6 +31,12 @@ LossScaling = Literal["none", "static", "dynamic"]
 #: plain frozen value; ``islands.module_matches_rule`` turns them into isinstance checks.
 NORMS = "norms"
 
+#: How parameters stored in 16 bits are trained (``mixprec.masters``): "none" means parameters
+#: are stored in fp32 and the optimizer steps them directly.
+MASTER_KINDS = ("none", "fp32", "kahan", "sr", "remainder", "nearest")
+#: Parameters the 16-bit storage recipes keep in fp32 (rule items of ``mixprec.masters.rules``).
+FP32_PARAMS = ("norms", "biases", "embeddings")
+
 
 @dataclasses.dataclass(frozen=True)
 class Recipe:
@@ -42,6 +50,11 @@ class Recipe:
             ``param_dtype`` and ops are cast at call time.
         fp32_modules: module families (``"norms"``) or class names that run as fp32 islands.
         static_scale: the scale used when ``loss_scaling == "static"``.
+        master: for parameters stored in 16 bits, what keeps their updates from vanishing:
+            ``"fp32"`` (an fp32 master copy), ``"kahan"`` (16-bit compensation), ``"sr"``
+            (stochastic rounding), ``"remainder"`` (int16 remainders, an exact fp32 master) or
+            ``"nearest"`` (nothing: the unsafe baseline). ``"none"`` for fp32 storage.
+        fp32_params: with 16-bit storage, the parameters that stay fp32 (``mixprec.masters.rules``).
         description: one line for ``mixprec recipes``.
         reason: why this recipe was chosen (``auto`` fills it in; otherwise "requested").
     """
@@ -54,12 +67,51 @@ class Recipe:
     static_scale: float = 2.0**16
     description: str = ""
     reason: str = "requested"
+    master: str = "none"
+    fp32_params: tuple = ()
 
     def __post_init__(self) -> None:
         if self.loss_scaling not in ("none", "static", "dynamic"):
             raise ValueError(
                 f"Recipe {self.name!r}: loss_scaling={self.loss_scaling!r}; expected 'none', 'static' or 'dynamic'"
             )
+        self._check_master()
+
+    def _check_master(self) -> None:
+        if self.master not in MASTER_KINDS:
+            raise ValueError(f"Recipe {self.name!r}: master={self.master!r}; expected one of {', '.join(MASTER_KINDS)}")
+        stored = get_format(self.policy.param_dtype)
+        if stored.dtype == _F32:
+            if self.master != "none":
+                raise ValueError(
+                    f"Recipe {self.name!r} stores parameters in f32, so master={self.master!r} has nothing to "
+                    "do; use master='none', or store parameters in bf16/f16"
+                )
+            return
+        if not stored.is_16bit:
+            raise ValueError(f"Recipe {self.name!r}: parameters can be stored in f32, bf16 or f16, not {stored.name}")
+        if self.master == "none":
+            raise ValueError(
+                f"Recipe {self.name!r} stores parameters in {stored.name} without master weights: small "
+                "updates would vanish. Choose master='fp32' (or 'kahan', 'sr', 'remainder'; 'nearest' to "
+                "opt into the unsafe baseline)"
+            )
+        if self.master in ("sr", "remainder") and stored.dtype != torch.bfloat16:
+            raise ValueError(
+                f"Recipe {self.name!r}: master={self.master!r} works on bf16 storage (bf16 is the top half "
+                f"of fp32), not {stored.name}; use master='fp32' or 'kahan'"
+            )
+        if self.policy.compute_dtype != stored.dtype:
+            raise ValueError(
+                f"Recipe {self.name!r} stores parameters in {stored.name} but computes in "
+                f"{get_format(self.policy.compute_dtype).name}; with 16-bit storage the compute dtype must "
+                "be the storage dtype (the weights are used as stored)"
+            )
+
+    @property
+    def stores_16bit(self) -> bool:
+        """True when parameters live in 16 bits and ``master`` keeps their updates."""
+        return self.master != "none"
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -120,6 +172,39 @@ register_recipe(
 )
 
 
+
+def _storage_recipe(name: str, dtype: torch.dtype, master: str, description: str) -> Recipe:
+    """A 16-bit storage recipe: weights and grads in ``dtype``, autocast for the ops that must stay
+    fp32 and for mixing with the fp32 parameters, fp32 output."""
+    return Recipe(
+        name,
+        Policy(dtype, dtype, _F32),
+        loss_scaling="dynamic" if dtype == torch.float16 else "none",
+        autocast=True,
+        fp32_modules=(NORMS,),
+        master=master,
+        fp32_params=FP32_PARAMS,
+        description=description,
+    )
+
+
+for _name, _dtype, _master, _aliases, _description in (
+    ("bf16-true", torch.bfloat16, "fp32", (),
+     "bf16 weights and grads, fp32 master copy and optimizer state; norms, biases, embeddings in fp32"),
+    ("fp16-true", torch.float16, "fp32", ("O2",),
+     "fp16 weights and grads, fp32 master copy and optimizer state, dynamic loss scaling (Apex O2)"),
+    ("bf16-true-kahan", torch.bfloat16, "kahan", (),
+     "bf16 weights with a bf16 Kahan compensation buffer instead of a master (2 B/param less)"),
+    ("bf16-true-sr", torch.bfloat16, "sr", (),
+     "bf16 weights, updates stochastically rounded (unbiased), no master (4 B/param less)"),
+    ("bf16-true-remainder", torch.bfloat16, "remainder", (),
+     "bf16 weights + int16 remainders: an exact fp32 master in 2 extra bytes (Megatron's trick)"),
+    ("bf16-pure", torch.bfloat16, "nearest", (),
+     "UNSAFE baseline: bf16 weights rounded to nearest after each step, no master: small updates vanish"),
+):
+    register_recipe(_storage_recipe(_name, _dtype, _master, _description), aliases=_aliases)
+
+
 def list_recipes() -> list[Recipe]:
     """Registered recipes (``auto`` and policy strings are resolved, not listed)."""
     return list(_REGISTRY.values())
@@ -161,10 +246,16 @@ def _from_policy_string(text: str) -> Recipe:
             raise
         raise ValueError(_unknown_message(text) + f" ({e})") from None
     if policy.param_dtype != _F32:
-        raise ValueError(
-            f"Policy {text!r} stores parameters in {get_format(policy.param_dtype).name}: 16-bit parameter "
-            "storage needs fp32 master weights, which these recipes do not provide yet. Use p=f32 "
-            "(autocast keeps fp32 weights and computes in 16 bits)."
+        stored = get_format(policy.param_dtype)
+        if not stored.is_16bit or policy.compute_dtype != policy.param_dtype:
+            raise ValueError(
+                f"Policy {text!r} stores parameters in {stored.name} and computes in "
+                f"{get_format(policy.compute_dtype).name}: 16-bit storage (with fp32 master weights) "
+                "needs p=bf16,c=bf16 or p=f16,c=f16; or use p=f32 (autocast keeps fp32 weights)."
+            )
+        return dataclasses.replace(
+            _storage_recipe(str(policy), policy.param_dtype, "fp32", f"jmp policy {policy}, fp32 master weights"),
+            policy=policy,
         )
     compute = policy.compute_dtype
     if compute not in (torch.float32, torch.bfloat16, torch.float16):

@@ -9,6 +9,11 @@
 ``step`` runs: scale -> backward -> (accumulate) -> unscale -> clip -> step or skip -> update ->
 zero_grad -> scheduler (only when the step was taken). The order is fixed here, so a user cannot
 clip scaled gradients or forget ``update``.
+
+Recipes that store parameters in 16 bits (``bf16-true``...) add two points to that order, both
+owned by a ``mixprec.masters`` strategy: after backward, 16-bit gradients become fp32 master
+gradients (so unscale and clip see fp32); after update, the stepped masters are written back into
+the 16-bit model. Their optimizer is built over ``mp.parameters(model)``, the fp32 masters.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from torch import nn
 
 from mixprec.formats import short_name
 from mixprec.islands import Rule, keep_fp32
+from mixprec.masters import MasterWeights, make_masters
 from mixprec.policy import cast_floating
 from mixprec.recipes import Recipe, as_device, resolve_recipe
 from mixprec.scaling import GradScaler, NoOpScaler, StaticLossScaler
@@ -95,8 +101,12 @@ class MixedPrecision:
         track_grad_norm: compute the gradient norm even when not clipping.
         skip_nonfinite: for recipes without a loss scaler, still skip steps whose gradients hold
             inf/NaN (a ``StaticLossScaler(1.0)``; one host sync per step with unfused optimizers).
+        fp32_params: for recipes that store parameters in 16 bits, the rule for parameters kept in
+            fp32, replacing the recipe's (``("norms", "biases", "embeddings")``); see
+            ``mixprec.masters.rules``.
 
-    Attributes: ``recipe`` (with ``recipe.reason``), ``device``, ``policy``, ``scaler``.
+    Attributes: ``recipe`` (with ``recipe.reason``), ``device``, ``policy``, ``scaler``, ``masters``
+    (the master-weight strategy of a 16-bit storage recipe, else None).
     """
 
     def __init__(
@@ -109,6 +119,7 @@ class MixedPrecision:
         accumulate: int = 1,
         track_grad_norm: bool = False,
         skip_nonfinite: bool = False,
+        fp32_params: Sequence[Any] | None = None,
     ) -> None:
         self.device = as_device(device)
         self.recipe = resolve_recipe(recipe, self.device)
@@ -124,6 +135,15 @@ class MixedPrecision:
         self._warned_16bit_loss = False
         self._one: torch.Tensor | None = None
         self._false: torch.Tensor | None = None
+        self.masters: MasterWeights | None = None
+        if self.recipe.stores_16bit:
+            rule = self.recipe.fp32_params if fp32_params is None else tuple(fp32_params)
+            self.masters = make_masters(self.recipe.master, self.policy.param_dtype, rule)
+        elif fp32_params is not None:
+            raise ValueError(
+                f"fp32_params applies to recipes that store parameters in 16 bits; {self.recipe.name!r} "
+                "stores them in fp32. Use fp32_modules= for fp32 compute islands."
+            )
 
     @property
     def policy(self):
@@ -177,8 +197,21 @@ class MixedPrecision:
             model.register_forward_hook(_OutputCast(self.policy.output_dtype))
         elif self.fp32_modules:
             keep_fp32(model, self.fp32_modules, self.device.type)
+        if self.masters is not None:
+            self.masters.attach(model)
         model._mixprec_recipe = self.recipe.name  # type: ignore[attr-defined]
         return model
+
+    def parameters(self, model: nn.Module) -> list[nn.Parameter]:
+        """What to build the optimizer over: ``model.parameters()``, except that recipes storing
+        parameters in 16 bits give their fp32 masters instead (``torch.optim.AdamW(mp.parameters(model))``)."""
+        return [p for _, p in self.named_parameters(model)]
+
+    def named_parameters(self, model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+        """``(name, parameter)`` pairs for optimizer param groups (e.g. no weight decay on biases)."""
+        if self.masters is None:
+            return list(model.named_parameters())
+        return list(self.masters.named_parameters(model))
 
     def _check_params(self, model: nn.Module) -> None:
         for name, p in model.named_parameters():
@@ -187,7 +220,13 @@ class MixedPrecision:
                     f"parameter {name!r} is on {p.device}, but this MixedPrecision runs on {self.device}; "
                     f"move the model first (model.to({str(self.device)!r}))"
                 )
-            if p.is_floating_point() and p.dtype != self.policy.param_dtype:
+            if self.masters is not None and p.is_floating_point() and p.dtype != torch.float32:
+                raise ValueError(
+                    f"parameter {name!r} is stored in {short_name(p.dtype)}; recipe {self.recipe.name!r} "
+                    "stores parameters in 16 bits itself, from an fp32 model (it needs the fp32 values for "
+                    "the masters). Call model.float() first (lossless from bf16/f16) and prepare again."
+                )
+            if self.masters is None and p.is_floating_point() and p.dtype != self.policy.param_dtype:
                 raise ValueError(
                     f"parameter {name!r} is stored in {short_name(p.dtype)}, but recipe {self.recipe.name!r} "
                     f"keeps parameters in {short_name(self.policy.param_dtype)}. model.half() is low "
@@ -262,6 +301,8 @@ class MixedPrecision:
         detached = micro.detach()
         self._loss_sum = detached if self._loss_sum is None else self._loss_sum + detached
         self._micro += 1
+        if self.masters is not None:  # 16-bit grads -> fp32 master grads; at the boundary, fp32 values
+            self.masters.after_backward(opts, boundary=self._micro >= self.accumulate)
         one, false = self._constants()
         if self._micro < self.accumulate:
             scale = self.scaler.scale_tensor
@@ -275,6 +316,8 @@ class MixedPrecision:
         for opt in opts:
             self.scaler.step(opt)
         self.scaler.update()
+        if self.masters is not None:  # stepped (or skipped: unchanged) masters -> 16-bit model
+            self.masters.after_step()
         for opt in opts:
             opt.zero_grad(set_to_none=True)
         self._steps += 1
@@ -297,6 +340,8 @@ class MixedPrecision:
         params = list(parameters) if parameters is not None else [
             p for o in opts for g in o.param_groups for p in g["params"]
         ]
+        if self.masters is not None:  # the 16-bit parameters' gradients now live on their masters
+            params = self.masters.optimizer_view(params)
         if max_grad_norm is not None:
             return nn.utils.clip_grad_norm_(params, max_grad_norm, norm_type=norm_type)
         grads = [p.grad for p in params if p.grad is not None]
@@ -316,7 +361,10 @@ class MixedPrecision:
                 f"of {self.accumulate}): the gradients accumulated so far live in .grad and would not be "
                 "saved. Save after a step() that returned stepped=True."
             )
-        return {"recipe": self.recipe.name, "scaler": self.scaler.state_dict(), "steps": self._steps}
+        state = {"recipe": self.recipe.name, "scaler": self.scaler.state_dict(), "steps": self._steps}
+        if self.masters is not None:
+            state["masters"] = self.masters.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any], strict: bool = True) -> None:
         """Restore from ``state_dict()``. With ``strict``, the recipe must be the same."""
@@ -327,6 +375,8 @@ class MixedPrecision:
             )
         if state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
+        if self.masters is not None and "masters" in state:
+            self.masters.load_state_dict(state["masters"])
         self._steps = int(state.get("steps", 0))
         self._micro, self._loss_sum = 0, None
 
@@ -341,6 +391,8 @@ class MixedPrecision:
             f"fp32     {', '.join(map(str, (*r.fp32_modules, *self.fp32_modules))) or '-'}",
             f"device   {self.device}",
         ]
+        if self.masters is not None:
+            lines.insert(3, f"masters  {self.masters.describe()}")
         return "\n".join(lines)
 
     def __repr__(self) -> str:

@@ -1,0 +1,50 @@
+"""Master weights: parameters stored in 16 bits that still train like fp32.
+
+Recipes (``mixprec recipes`` lists them): ``bf16-true`` (fp32 masters), ``fp16-true`` / ``O2``
+(fp32 masters + dynamic loss scaling), and the cheaper bf16 variants ``bf16-true-kahan``,
+``bf16-true-sr``, ``bf16-true-remainder``; ``bf16-pure`` is the unsafe baseline without any.
+The loop is the core one; only the optimizer is built over ``mp.parameters(model)``::
+
+    mp = MixedPrecision("bf16-true")
+    model = mp.prepare(model)                          # eligible params now stored in bf16
+    opt = torch.optim.AdamW(mp.parameters(model), lr=3e-4)   # the fp32 masters
+    with mp.autocast():
+        loss = loss_fn(model(x), y)
+    mp.step(loss, opt)                                 # steps the masters, writes bf16 back
+
+- ``strategy``: the strategies and the contract ``MixedPrecision.step`` relies on.
+- ``guard``: the optimizer pre-step hook that refuses to train 16-bit weights without masters.
+- ``rounding``: stochastic rounding, Kahan addition, fp32 <-> bf16 + int16 remainder.
+- ``rules``: which parameters stay fp32.
+"""
+
+from mixprec.masters.rounding import join_fp32, kahan_add_, nearest_bf16, split_fp32, stochastic_round_bf16
+from mixprec.masters.rules import DEFAULT_FP32_PARAMS, fp32_param_names
+from mixprec.masters.strategy import (
+    STRATEGIES,
+    Fp32Masters,
+    KahanMasters,
+    MasterWeights,
+    NearestMasters,
+    RemainderMasters,
+    StochasticRoundingMasters,
+    make_masters,
+)
+
+__all__ = [
+    "DEFAULT_FP32_PARAMS",
+    "STRATEGIES",
+    "Fp32Masters",
+    "KahanMasters",
+    "MasterWeights",
+    "NearestMasters",
+    "RemainderMasters",
+    "StochasticRoundingMasters",
+    "fp32_param_names",
+    "join_fp32",
+    "kahan_add_",
+    "make_masters",
+    "nearest_bf16",
+    "split_fp32",
+    "stochastic_round_bf16",
+]

@@ -1,0 +1,66 @@
+"""The guard on ``optimizer.step()``: 16-bit stored weights train only through ``mp.step``.
+
+A global optimizer pre-step hook, installed when a 16-bit storage recipe first prepares a model.
+Parameters carry ``_mixprec_role = (kind, strategy, name)``: ``"stored"`` on the model's 16-bit
+parameters, ``"proxy"`` on their fp32 masters. The hook refuses an optimizer holding a stored
+parameter (it would train 16-bit weights without masters), and an optimizer holding masters
+stepped outside ``mp.step`` (their gradients and values exist only inside it).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mixprec.formats import get_format
+
+
+def built_over_16bit(name: str, dtype: torch.dtype) -> str:
+    return (
+        f"the optimizer holds parameter {name!r}, which this recipe stores in {get_format(dtype).name}: "
+        "stepping it would update the 16-bit weight directly and lose small updates (no master "
+        "weights). Build the optimizer over mp.parameters(model) (the fp32 masters), e.g. "
+        "torch.optim.AdamW(mp.parameters(model), lr=...)."
+    )
+
+
+def _guard(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Global optimizer pre-step hook: 16-bit stored weights train only through ``mp.step``.
+
+    Runs for every optimizer in the process once a 16-bit storage recipe has prepared a model; what
+    it finds is cached on the optimizer until its parameter count changes, so a step costs a sum.
+    """
+    count = sum(len(g["params"]) for g in optimizer.param_groups)
+    cached = optimizer.__dict__.get("_mixprec_guard")
+    if cached is None or cached[0] != count:
+        roles = [
+            r for g in optimizer.param_groups for p in g["params"]
+            if (r := getattr(p, "_mixprec_role", None)) is not None
+        ]
+        role = next((r for r in roles if r[0] == "stored"), roles[0] if roles else None)
+        cached = optimizer.__dict__["_mixprec_guard"] = (count, role)
+    role = cached[1]
+    if role is None:
+        return
+    kind, owner, name = role
+    if kind == "stored":
+        raise RuntimeError(built_over_16bit(name, owner.storage_dtype))
+    if not owner.stepping:
+        raise RuntimeError(
+            f"optimizer.step() was called directly on the fp32 masters of a {owner.kind!r} master-weight "
+            f"recipe (parameter {name!r}): mp.step(loss, optimizer) fills in their gradients and values "
+            "and writes the result back into the 16-bit model. Call mp.step(loss, optimizer) instead of "
+            "loss.backward(); optimizer.step()."
+        )
+
+
+_GUARD_HANDLE: Any = None
+
+
+def install_guard() -> None:
+    global _GUARD_HANDLE
+    if _GUARD_HANDLE is None:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        _GUARD_HANDLE = register_optimizer_step_pre_hook(_guard)

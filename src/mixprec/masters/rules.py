@@ -1,0 +1,92 @@
+"""Which parameters a 16-bit-storage recipe leaves in fp32.
+
+The rule is a list of items; a parameter stays fp32 when any item matches it:
+
+- ``"norms"``: parameters of normalisation modules (LayerNorm, GroupNorm, BatchNorm, RMSNorm...):
+  few bytes, and a norm's scale multiplies every activation.
+- ``"biases"``: every parameter named ``bias``: one value per output feature, so a bf16 rounding
+  of it shifts a whole channel; they cost almost nothing.
+- ``"embeddings"``: parameters of ``nn.Embedding`` / ``nn.EmbeddingBag``: rows of rare tokens get
+  tiny, rare updates, the case where 16-bit rounding loses the most.
+- a qualified parameter name (``"head.weight"``), a module name (``"head"``: every parameter under
+  it), a module class name (``"LayerNorm"``) or class, or a predicate ``(name, param) -> bool``.
+
+The recipes' default is ``("norms", "biases", "embeddings")``; see it with
+``MixedPrecision.describe()`` and change it with ``MixedPrecision(..., fp32_params=[...])``.
+
+>>> from torch import nn
+>>> net = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 4), nn.LayerNorm(4))
+>>> fp32_param_names(net, DEFAULT_FP32_PARAMS)
+['0.weight', '1.bias', '2.weight', '2.bias']
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+
+from torch import nn
+
+from mixprec.islands import module_matches_rule
+from mixprec.recipes import FP32_PARAMS as DEFAULT_FP32_PARAMS  # the recipes' default rule
+
+ParamRule = str | type | Callable[[str, nn.Parameter], bool]
+
+_EMBEDDINGS = (nn.Embedding, nn.EmbeddingBag)
+FAMILIES = ("norms", "biases", "embeddings")
+
+
+def _matches(rule: ParamRule, qual: str, local: str, module_name: str, module: nn.Module, param: nn.Parameter) -> bool:
+    if isinstance(rule, type):
+        return isinstance(module, rule)
+    if callable(rule):
+        return bool(rule(qual, param))
+    if rule == "norms":
+        return module_matches_rule(module_name, module, "norms")
+    if rule == "biases":
+        return local == "bias"
+    if rule == "embeddings":
+        return isinstance(module, _EMBEDDINGS)
+    return (
+        qual == rule
+        or module_name == rule
+        or module_name.startswith(rule + ".")
+        or type(module).__name__ == rule
+    )
+
+
+def _occurrences(model: nn.Module) -> Iterator[tuple[str, str, str, nn.Module, nn.Parameter]]:
+    """Every (qualified name, local name, module name, module, param), tied parameters once per owner."""
+    for module_name, module in model.named_modules():
+        for local, param in module.named_parameters(recurse=False):
+            yield (f"{module_name}.{local}" if module_name else local), local, module_name, module, param
+
+
+def fp32_param_names(model: nn.Module, rules: Sequence[ParamRule]) -> list[str]:
+    """Qualified names (as ``model.named_parameters()`` gives them) of the floating parameters
+    ``rules`` keeps in fp32.
+
+    A tied parameter stays fp32 when any of its owners matches. Raises ValueError when a name in
+    ``rules`` matches nothing: a typo would otherwise silently store that parameter in 16 bits.
+    """
+    rules = list(rules)
+    for r in rules:
+        if not isinstance(r, (str, type)) and not callable(r):
+            raise TypeError(
+                f"fp32_params rule items are names, module classes or predicates (name, param) -> bool; "
+                f"got {type(r).__name__}"
+            )
+    keep: set[int] = set()
+    used: set[int] = set()
+    for qual, local, module_name, module, param in _occurrences(model):
+        for i, r in enumerate(rules):
+            if _matches(r, qual, local, module_name, module, param):
+                used.add(i)
+                keep.add(id(param))
+    for i, r in enumerate(rules):
+        if isinstance(r, str) and r not in FAMILIES and i not in used:
+            raise ValueError(
+                f"fp32_params rule {r!r} matches no parameter of {type(model).__name__}; use a name from "
+                f"model.named_parameters() or model.named_modules(), a module class (name), a predicate, "
+                f"or one of {list(FAMILIES)}"
+            )
+    return [n for n, p in model.named_parameters() if id(p) in keep and p.is_floating_point()]

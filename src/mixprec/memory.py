@@ -1,0 +1,253 @@
+"""The memory planner: bytes of weights, gradients, masters, optimizer state and activations.
+
+Pure arithmetic, no torch: ``StorageFacts`` says what a recipe stores (``facts_from_recipe`` reads
+them off a ``Recipe`` and its master-weight strategy), ``ParamCounts`` how many parameters there
+are and of which kind, ``plan`` adds them up. ``mixprec memory`` prints the plan, and with
+``--measure`` the bytes one real step used (``mixprec.memory_measure``).
+
+The seed's figure: AdamW keeps two fp32 moments per parameter, so 7B parameters need
+7e9 * 2 * 4 B = 56 GB of optimizer state, whatever the recipe.
+
+>>> p = plan(ParamCounts(7_000_000_000), StorageFacts("bf16-mixed", 4, 2, autocast=True), "adamw")
+>>> p.bytes["optimizer state"] / 1e9
+56.0
+
+When each component is alive (what ``peak`` assumes):
+
+- persistent: weights, masters, optimizer state.
+- forward/backward: + gradients, + autocast's 16-bit weight copies (mixed recipes: saved for
+  backward), + activations saved for backward. All gradients plus all activations is an upper
+  bound: backward frees activations as gradients arrive.
+- optimizer step: 16-bit storage recipes turn 16-bit gradients into fp32 master gradients there
+  (freeing the 16-bit ones), and the compact strategies (Kahan, SR, remainder) also rebuild an fp32
+  value for each weight for the duration of the step. Optimizer temporaries are not counted:
+  fused and per-tensor kernels make none; torch's foreach kernels add up to 4 B/param.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+GB = 1e9  # decimal gigabytes, as the seeds quote them
+
+#: fp32 optimizer state per parameter, in bytes (every mixprec recipe keeps optimizer state fp32).
+OPTIMIZER_STATE_BYTES: dict[str, int] = {
+    "adamw": 8,  # exp_avg, exp_avg_sq
+    "adam": 8,
+    "sgd": 0,
+    "sgd-momentum": 4,  # momentum_buffer
+    "adagrad": 4,  # sum
+    "rmsprop": 4,  # square_avg
+}
+
+COMPONENTS = (
+    "weights", "masters", "optimizer state", "gradients", "autocast weight copies", "activations",
+    "step-time fp32",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class StorageFacts:
+    """What a recipe stores, in bytes per element.
+
+    Attributes:
+        name: the recipe's name (for display).
+        param_bytes: bytes per stored parameter of the kind the recipe casts (4 or 2).
+        compute_bytes: bytes per activation element in the compute dtype.
+        master_bytes: bytes per 16-bit parameter the master-weight strategy keeps (fp32 copy 4,
+            Kahan compensation 2, int16 remainder 2, stochastic rounding 0).
+        step_bytes: fp32 bytes per 16-bit parameter alive only during the optimizer step (fp32
+            gradient 4, plus the rebuilt fp32 value 4 for strategies that keep no fp32 copy).
+        autocast: the forward casts fp32 weights to the compute dtype (mixed recipes).
+        norm_bytes: bytes per element of the residual stream and norm inputs (fp32 under mixprec's
+            recipes: embeddings and norms stay fp32, so the residual sum stays fp32).
+    """
+
+    name: str
+    param_bytes: int
+    compute_bytes: int
+    master_bytes: int = 0
+    step_bytes: int = 0
+    autocast: bool = False
+    norm_bytes: int = 4
+
+    @property
+    def stores_16bit(self) -> bool:
+        return self.param_bytes < 4
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamCounts:
+    """How many parameters, and how many of each kind.
+
+    Attributes:
+        total: every floating parameter.
+        fp32_kept: of those, how many a 16-bit storage recipe keeps in fp32 (its fp32 rule).
+        matmul_weights: weights that autocast casts to 16 bits and saves (Linear/Conv weights);
+            None means all of them (the upper bound used for a bare ``--params`` count).
+    """
+
+    total: int
+    fp32_kept: int = 0
+    matmul_weights: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.total < 0 or not 0 <= self.fp32_kept <= self.total:
+            raise ValueError(f"parameter counts must satisfy 0 <= fp32_kept <= total, got {self}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerShape:
+    """A GPT-style decoder for the activation estimate.
+
+    Assumptions (``activation_bytes`` states the formula): pre-norm blocks with one attention and
+    one 4x MLP with GELU, no dropout, activations saved by autograd (no checkpointing), the
+    residual stream in ``norm_bytes``. ``attention="eager"`` keeps the softmax probabilities
+    (heads * seq**2 per sequence); ``"flash"`` keeps only a row log-sum-exp.
+    """
+
+    batch: int
+    seq: int
+    d_model: int
+    layers: int
+    heads: int
+    vocab: int = 0
+    attention: str = "eager"
+
+    def __post_init__(self) -> None:
+        for field in ("batch", "seq", "d_model", "layers", "heads"):
+            if getattr(self, field) < 1:
+                raise ValueError(f"transformer shape needs {field} >= 1, got {getattr(self, field)}")
+        if self.attention not in ("eager", "flash"):
+            raise ValueError(f"attention must be 'eager' or 'flash', got {self.attention!r}")
+
+
+def activation_bytes(shape: TransformerShape, facts: StorageFacts) -> int:
+    """Bytes autograd saves for backward in one forward of ``shape``.
+
+    Per layer, with t = batch * seq tokens, h = d_model, c = compute bytes, r = norm bytes:
+      t*h*(14c + 2r)   14 h-wide tensors in the compute dtype (qkv input, q/k/v, attention output,
+                       MLP input, GELU input and output at 4h) and the two norm inputs;
+      + t*16           the two norms' mean and rstd (fp32);
+      + eager: heads * seq * t * c (softmax probabilities); flash: heads * t * 4 (log-sum-exp).
+    Plus the head: final norm input t*h*r, head input t*h*c, fp32 log-probabilities t*vocab*4,
+    token ids and targets t*16. With c=2, r=2 and dropout this is Korthikanti et al. (2022)'s
+    34*s*b*h + 5*a*s**2*b; mixprec recipes keep the residual stream fp32 (r=4) and there is no dropout.
+    """
+    t, h, c, r = shape.batch * shape.seq, shape.d_model, facts.compute_bytes, facts.norm_bytes
+    attn = shape.heads * shape.seq * t * c if shape.attention == "eager" else shape.heads * t * 4
+    per_layer = t * h * (14 * c + 2 * r) + 16 * t + attn
+    head = t * h * (r + c) + t * shape.vocab * 4 + 16 * t + 8 * t
+    return shape.layers * per_layer + head
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Bytes by component (see ``COMPONENTS``) and the totals they add up to."""
+
+    recipe: str
+    optimizer: str
+    counts: ParamCounts
+    bytes: dict[str, int]
+    persistent: int
+    forward_backward: int
+    step: int
+    peak: int
+    notes: tuple[str, ...] = ()
+
+    def per_param(self, component: str) -> float:
+        return self.bytes[component] / self.counts.total if self.counts.total else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "recipe": self.recipe,
+            "optimizer": self.optimizer,
+            "params": dataclasses.asdict(self.counts),
+            "bytes": dict(self.bytes),
+            "bytes_per_param": {k: self.per_param(k) for k in self.bytes},
+            "persistent": self.persistent,
+            "forward_backward_peak": self.persistent + self.forward_backward,
+            "step_peak": self.persistent + self.step,
+            "peak": self.peak,
+            "notes": list(self.notes),
+        }
+
+
+def optimizer_state_bytes(optimizer: str) -> int:
+    key = optimizer.lower()
+    if key not in OPTIMIZER_STATE_BYTES:
+        raise ValueError(
+            f"unknown optimizer {optimizer!r} for the memory plan; expected one of {', '.join(OPTIMIZER_STATE_BYTES)}"
+        )
+    return OPTIMIZER_STATE_BYTES[key]
+
+
+def plan(
+    counts: ParamCounts,
+    facts: StorageFacts,
+    optimizer: str = "adamw",
+    shape: TransformerShape | None = None,
+) -> Plan:
+    """The bytes a recipe needs for ``counts`` parameters trained with ``optimizer``."""
+    n = counts.total
+    stores_16bit = facts.stores_16bit
+    n16 = n - counts.fp32_kept if stores_16bit else 0
+    n32 = n - n16
+    matmul = n if counts.matmul_weights is None else counts.matmul_weights
+    b = {
+        "weights": n16 * facts.param_bytes + n32 * 4,
+        "masters": n16 * facts.master_bytes,
+        "optimizer state": n * optimizer_state_bytes(optimizer),
+        "gradients": n16 * facts.param_bytes + n32 * 4,
+        "autocast weight copies": matmul * facts.compute_bytes if facts.autocast and not stores_16bit else 0,
+        "activations": activation_bytes(shape, facts) if shape is not None else 0,
+        "step-time fp32": n16 * facts.step_bytes,
+    }
+    persistent = b["weights"] + b["masters"] + b["optimizer state"]
+    fwd_bwd = b["gradients"] + b["autocast weight copies"] + b["activations"]
+    # at the step the 16-bit gradients have become fp32 master gradients (counted in step-time)
+    step = n32 * 4 + b["step-time fp32"]
+    notes = []
+    if counts.matmul_weights is None and facts.autocast and not stores_16bit:
+        notes.append("autocast copies assume every parameter is a matmul weight (an upper bound)")
+    if stores_16bit and counts.fp32_kept == 0:
+        notes.append("every parameter counted as stored in 16 bits (pass a model to apply the fp32 rule)")
+    if shape is None:
+        notes.append("no activations: give --batch --seq --d-model --layers --heads for a transformer estimate")
+    return Plan(facts.name, optimizer.lower(), counts, b, persistent, fwd_bwd, step,
+                persistent + max(fwd_bwd, step), tuple(notes))
+
+
+def facts_from_recipe(recipe: Any) -> StorageFacts:
+    """``StorageFacts`` for a ``mixprec.Recipe`` (imports torch: the recipe already did)."""
+    from mixprec.formats import get_format
+    from mixprec.masters import STRATEGIES
+
+    param_bytes = get_format(recipe.policy.param_dtype).bytes
+    compute_bytes = get_format(recipe.policy.compute_dtype).bytes
+    strategy = STRATEGIES.get(recipe.master)
+    return StorageFacts(
+        name=recipe.name,
+        param_bytes=param_bytes,
+        compute_bytes=compute_bytes,
+        master_bytes=strategy.extra_bytes if strategy else 0,
+        step_bytes=strategy.step_bytes if strategy else 0,
+        autocast=bool(recipe.autocast),
+        norm_bytes=4,
+    )
+
+
+def parse_count(text: str) -> int:
+    """``"7e9"``, ``"7B"``, ``"125M"``, ``"1_000"`` -> an int."""
+    t = text.strip().replace("_", "").replace(",", "")
+    mult = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}.get(t[-1:].lower(), 1)
+    if mult != 1:
+        t = t[:-1]
+    try:
+        value = float(t) * mult
+    except ValueError:
+        raise ValueError(f"cannot read a parameter count from {text!r}; write e.g. 7e9, 7B, 125M or 1000") from None
+    if value < 0 or value != value:
+        raise ValueError(f"a parameter count must be >= 0, got {text!r}")
+    return int(round(value))

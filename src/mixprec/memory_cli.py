@@ -1,0 +1,158 @@
+"""``mixprec memory``: what a recipe and an optimizer cost in bytes, planned and (optionally) measured."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+HELP = "plan (and measure) the memory of weights, grads, masters, optimizer state and activations"
+DESCRIPTION = """\
+For a parameter count (or a model) and one or more recipes, print the bytes of weights,
+gradients, master weights, optimizer state, autocast's weight copies, activations (given a
+transformer shape) and the fp32 memory alive only during the optimizer step; then the
+persistent total and the peak. Sizes are decimal (1 GB = 1e9 bytes).
+
+examples:
+  mixprec memory --params 7e9 --recipe bf16-mixed --optimizer adamw
+  mixprec memory --params 7B --recipe fp32,bf16-mixed,bf16-true,bf16-true-sr
+  mixprec memory --params 7B --recipe bf16-true --batch 1 --seq 4096 --d-model 4096 --layers 32 --heads 32 --vocab 32000
+  mixprec memory --model mypkg.models:make_model --recipe all
+  mixprec memory --measure --recipe bf16-mixed,bf16-true --batch 16 --seq 64 --d-model 64 --layers 2 --heads 4 --vocab 96
+"""
+
+_SHAPE = ("batch", "seq", "d_model", "layers", "heads")
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    src = parser.add_argument_group("what to plan for")
+    src.add_argument("--params", help="parameter count: 7e9, 7B, 125M, 1000")
+    src.add_argument("--model", metavar="MODULE:FUNCTION",
+                     help="a factory returning an nn.Module (counted exactly, fp32 rule applied) or a mixprec Task")
+    src.add_argument("--recipe", default="fp32,bf16-mixed,bf16-true",
+                     help="recipe names, comma separated, or 'all' (default: fp32,bf16-mixed,bf16-true)")
+    src.add_argument("--optimizer", default="adamw", help="adamw, adam, sgd, sgd-momentum, adagrad, rmsprop")
+    act = parser.add_argument_group("activations of a GPT-style transformer (all five, or none)")
+    act.add_argument("--batch", type=int)
+    act.add_argument("--seq", type=int)
+    act.add_argument("--d-model", type=int)
+    act.add_argument("--layers", type=int)
+    act.add_argument("--heads", type=int)
+    act.add_argument("--vocab", type=int, default=0, help="vocabulary size: adds the fp32 log-probabilities")
+    act.add_argument("--attention", choices=("eager", "flash"), default="eager",
+                     help="eager keeps heads*seq^2 softmax probabilities per sequence; flash does not")
+    meas = parser.add_argument_group("measurement")
+    meas.add_argument("--measure", action="store_true",
+                      help="run one real step of the task (--model, or the built-in char GPT) and show measured bytes")
+    meas.add_argument("--device", default="cpu", help="device for --measure (default cpu)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def _human(n: float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def _load(spec: str) -> Any:
+    from mixprec.tasks import _import_factory
+
+    return _import_factory(spec)()
+
+
+def run(args: argparse.Namespace) -> int:
+    import json
+
+    import torch
+
+    from mixprec.memory import COMPONENTS, ParamCounts, TransformerShape, facts_from_recipe, parse_count, plan
+    from mixprec.recipes import list_recipes, resolve_recipe
+    from mixprec.tasks import Task, TaskError, load_task
+
+    try:
+        names = [r.name for r in list_recipes()] if args.recipe == "all" else [n for n in args.recipe.split(",") if n]
+        recipes = [resolve_recipe(n, "cpu") for n in names]
+        given = [getattr(args, f) is not None for f in _SHAPE]
+        if any(given) and not all(given):
+            missing = [f"--{f.replace('_', '-')}" for f, g in zip(_SHAPE, given) if not g]
+            raise ValueError(f"the activation estimate needs all of --batch --seq --d-model --layers --heads; missing {' '.join(missing)}")
+        shape = TransformerShape(args.batch, args.seq, args.d_model, args.layers, args.heads, args.vocab,
+                                 args.attention) if all(given) else None
+        if args.params is not None and args.model is not None:
+            raise ValueError("give --params or --model, not both")
+        task = model = None
+        if args.model is not None:
+            built = _load(args.model)
+            task, model = (built, None) if isinstance(built, Task) else (None, built)
+            if model is not None and not isinstance(model, torch.nn.Module):
+                raise TaskError(f"{args.model} returned {type(model).__name__}; expected an nn.Module or a mixprec Task")
+        if args.measure and task is None:
+            if model is not None:
+                raise ValueError("--measure needs data: give --model a factory returning a mixprec Task (see mixprec.tasks)")
+            task = load_task(None)
+        if task is not None and model is None:
+            torch.manual_seed(0)
+            model = task.build_model()
+        if model is None and args.params is None:
+            raise ValueError("give --params N (e.g. 7e9), or --model MODULE:FUNCTION, or --measure")
+    except (ValueError, RuntimeError, TaskError) as e:
+        print(f"error: {e}")
+        return 2
+
+    from mixprec.memory_measure import count_params, measure_step
+
+    results = []
+    for recipe in recipes:
+        counts = count_params(model, recipe) if model is not None else ParamCounts(parse_count(args.params))
+        p = plan(counts, facts_from_recipe(recipe), args.optimizer, shape)
+        measured = measure_step(task, recipe, args.optimizer, args.device) if args.measure else None
+        results.append((p, measured))
+
+    if args.json:
+        out = [{**p.to_dict(), "measured": m.to_dict() if m else None} for p, m in results]
+        print(json.dumps({"shape": shape.__dict__ if shape else None, "plans": out}, indent=2))
+        return 0
+
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=None if Console().is_terminal else 160)
+    n = results[0][0].counts.total
+    title = f"memory plan: {n:,} parameters, {args.optimizer}" + (f", measured on {task.name}" if args.measure else "")
+    table = Table(title=title, caption="cells: bytes (bytes per parameter)")
+    table.add_column("component")
+    for p, m in results:
+        table.add_column(p.recipe, justify="right")
+        if m is not None:
+            table.add_column("measured", justify="right")
+
+    def cell(value: float, bold: bool = False) -> str:
+        text = f"{_human(value)} ({value / n:.2f})" if n else _human(value)
+        return f"[bold]{text}[/bold]" if bold else text
+
+    for comp in COMPONENTS:
+        row = [comp]
+        for p, m in results:
+            row.append(cell(p.bytes[comp]))
+            if m is not None:
+                row.append(cell(m.bytes[comp]))
+        table.add_row(*row)
+    for label in ("persistent", "peak"):
+        row = [f"[bold]{label}[/bold]"]
+        for p, m in results:
+            row.append(cell(getattr(p, label), bold=True))
+            if m is not None:
+                if label == "persistent":
+                    value = sum(m.bytes[k] for k in ("weights", "masters", "optimizer state"))
+                else:
+                    value = m.peak_allocated
+                row.append(cell(value, bold=True) if value else "")
+        table.add_row(*row)
+    console.print(table)
+    for note in sorted({note for p, _ in results for note in p.notes}):
+        console.print(f"  note: {note}")
+    console.print("  peak = persistent + max(forward/backward: gradients + autocast copies + activations, "
+                  "optimizer step: fp32 gradients and values)")
+    if args.measure and args.device.startswith("cpu"):
+        console.print("  measured on CPU: tensor storages (no allocator peak); on CUDA the peak row is max_memory_allocated")
+    return 0

@@ -1,0 +1,166 @@
+"""Measure what one real training step holds, component by component, beside the plan.
+
+The same components as ``mixprec.memory``, counted from the tensors that exist (unique storages,
+so views and ties count once):
+
+- weights: the model's parameters; masters: the strategy's own tensors (fp32 copies,
+  compensation, remainders); optimizer state: every tensor in ``optimizer.state`` after the step.
+- gradients: each parameter's ``.grad`` as backward leaves it (a post-accumulate-grad hook).
+- activations (+ autocast weight copies): every storage autograd saved for backward during the
+  forward and the loss (a saved-tensors hook), minus parameters and masters. Autocast's 16-bit
+  weight copies are saved tensors too; they are told apart by matching a parameter's shape (or its transpose).
+- step-time fp32: what the fp32 masters' gradients and rebuilt values hold when the optimizer
+  steps (an optimizer pre-step hook).
+- on CUDA, also ``torch.cuda.max_memory_allocated()`` over the step, less what was allocated
+  before the model was built: the real peak of this model's training.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixprec.masters import fp32_param_names
+from mixprec.memory import ParamCounts
+from mixprec.recipes import Recipe, as_device, resolve_recipe
+from mixprec.tasks import Task, to_device
+from mixprec.training import MixedPrecision
+
+_MATMUL = (nn.Linear, nn.Bilinear, nn.modules.conv._ConvNd)
+
+
+def make_optimizer(name: str, params: Iterable[nn.Parameter], device: torch.device) -> torch.optim.Optimizer:
+    """The optimizer the planner names, with kernels that make no full-size temporaries
+    (fused on CUDA, per-tensor on CPU), so measured bytes are the state itself."""
+    kernel: dict[str, Any] = {"fused": True} if device.type == "cuda" else {"foreach": False}
+    makers: dict[str, Callable[[], torch.optim.Optimizer]] = {
+        "adamw": lambda: torch.optim.AdamW(params, lr=1e-3, **kernel),
+        "adam": lambda: torch.optim.Adam(params, lr=1e-3, **kernel),
+        "sgd": lambda: torch.optim.SGD(params, lr=1e-3, **kernel),
+        "sgd-momentum": lambda: torch.optim.SGD(params, lr=1e-3, momentum=0.9, **kernel),
+        "adagrad": lambda: torch.optim.Adagrad(params, lr=1e-3, foreach=False),
+        "rmsprop": lambda: torch.optim.RMSprop(params, lr=1e-3, foreach=False),
+    }
+    if name.lower() not in makers:
+        raise ValueError(f"unknown optimizer {name!r}; expected one of {', '.join(makers)}")
+    return makers[name.lower()]()
+
+
+def count_params(model: nn.Module, recipe: Recipe) -> ParamCounts:
+    """Total floating parameters, those the recipe keeps fp32, and the matmul weights."""
+    params = {id(p): p for p in model.parameters() if p.is_floating_point()}
+    kept = 0
+    if recipe.stores_16bit:
+        named = dict(model.named_parameters())
+        kept = sum(named[n].numel() for n in fp32_param_names(model, recipe.fp32_params))
+    matmul: dict[int, int] = {}
+    for m in model.modules():
+        if isinstance(m, _MATMUL) and isinstance(getattr(m, "weight", None), nn.Parameter):
+            matmul[id(m.weight)] = m.weight.numel()
+        if isinstance(m, nn.MultiheadAttention):
+            for name in ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight"):
+                w = getattr(m, name, None)
+                if isinstance(w, nn.Parameter):
+                    matmul[id(w)] = w.numel()
+    return ParamCounts(sum(p.numel() for p in params.values()), kept, sum(matmul.values()))
+
+
+def _nbytes(tensors: Iterable[torch.Tensor]) -> int:
+    seen: dict[int, int] = {}
+    for t in tensors:
+        st = t.untyped_storage()
+        seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
+
+
+@dataclasses.dataclass
+class Measured:
+    """Bytes by component (keys as ``mixprec.memory.COMPONENTS``), and the CUDA peak when on CUDA."""
+
+    bytes: dict[str, int]
+    counts: ParamCounts
+    peak_allocated: int | None = None
+    device: str = "cpu"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"bytes": dict(self.bytes), "params": dataclasses.asdict(self.counts),
+                "peak_allocated": self.peak_allocated, "device": self.device}
+
+
+def measure_step(task: Task, recipe: str | Recipe, optimizer: str = "adamw", device: str | torch.device | None = "cpu",
+                 seed: int = 0) -> Measured:
+    """Build ``task``'s model, prepare it for ``recipe``, run one step and measure what it held."""
+    dev = as_device(device)
+    rec = resolve_recipe(recipe, dev)
+    cuda = dev.type == "cuda"
+    base = 0
+    if cuda:  # earlier runs' tensors may wait in reference cycles: collect them, then count from here
+        gc.collect()
+        torch.cuda.synchronize(dev)
+        base = torch.cuda.memory_allocated(dev)
+    torch.manual_seed(seed)
+    model = task.build_model().to(dev)
+    counts = count_params(model, rec)
+    mp = MixedPrecision(rec, dev)
+    model = mp.prepare(model)
+    opt = make_optimizer(optimizer, mp.parameters(model), dev)
+    inputs, targets = to_device(task.get_batch(0), dev)
+
+    params = list(model.parameters())
+    shapes = {tuple(p.shape) for p in params} | {tuple(p.shape)[::-1] for p in params}  # mm saves weight.t()
+    masters = [t for s in mp.masters.slots for t in mp.masters.extra_tensors(s)] if mp.masters else []
+    persistent = {t.untyped_storage().data_ptr() for t in [*params, *masters]}
+    saved: dict[int, tuple[int, bool]] = {}  # storage -> (bytes, looks like a weight copy)
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        if st.data_ptr() not in persistent:
+            is_copy = rec.autocast and not rec.stores_16bit and tuple(t.shape) in shapes and t.dtype == rec.compute_dtype
+            saved[st.data_ptr()] = (st.nbytes(), is_copy or saved.get(st.data_ptr(), (0, False))[1])
+        return t
+
+    grads: dict[int, int] = {}
+    hooks = [p.register_post_accumulate_grad_hook(lambda p: grads.__setitem__(id(p), p.grad.untyped_storage().nbytes()))
+             for p in params if p.requires_grad]
+    step_time: list[int] = []
+
+    def pre_step(o: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        held = [p for g in o.param_groups for p in g["params"] if getattr(p, "_mixprec_role", ("",))[0] == "proxy"]
+        values = [p.data for p in held if p.untyped_storage().data_ptr() not in persistent]
+        step_time.append(_nbytes([*values, *(p.grad for p in held if p.grad is not None)]))
+
+    hooks.append(opt.register_step_pre_hook(pre_step))
+    if cuda:
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with mp.autocast():
+                out = task.run_forward(model, inputs)
+            loss = task.loss_fn(out, targets)
+        del out  # only what autograd saved should outlive the forward
+        mp.step(loss, opt)
+        peak = None
+        if cuda:
+            torch.cuda.synchronize(dev)
+            peak = torch.cuda.max_memory_allocated(dev) - base
+    finally:
+        for h in hooks:
+            h.remove()
+    state = [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]
+    copies = sum(b for b, is_copy in saved.values() if is_copy)
+    measured = {
+        "weights": _nbytes(params),
+        "masters": _nbytes(masters),
+        "optimizer state": _nbytes(state),
+        "gradients": sum(grads.values()),
+        "autocast weight copies": copies,
+        "activations": sum(b for b, _ in saved.values()) - copies,
+        "step-time fp32": step_time[0] if step_time else 0,
+    }
+    return Measured(measured, counts, peak, str(dev))

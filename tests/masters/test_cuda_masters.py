@@ -1,0 +1,40 @@
+"""Master weights on CUDA (skipped without a GPU; run by the GPU job)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from masters_helpers import assert_bitwise_equal, setup, snapshot, train
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+
+@pytest.mark.parametrize("recipe", ["bf16-true", "fp16-true"])
+def test_storage_recipe_trains_bitwise_like_its_mixed_twin_on_cuda(recipe):
+    twin = recipe.replace("-true", "-mixed")
+    ref, mp_ref, opt_ref = setup(twin, device="cuda")
+    model, mp, opt = setup(recipe, device="cuda")
+    a = train(ref, mp_ref, opt_ref, range(3), poison={1})
+    b = train(model, mp, opt, range(3), poison={1})
+    assert [float(s.loss) for s in a] == [float(s.loss) for s in b]
+    masters = mp.masters.masters()
+    for name, p in ref.named_parameters():
+        assert torch.equal(masters.get(name, dict(model.named_parameters())[name]), p), name
+
+
+@pytest.mark.parametrize("recipe", ["bf16-true-sr", "bf16-true-kahan", "bf16-true-remainder"])
+def test_compact_strategies_resume_bit_for_bit_on_cuda(recipe):
+    model, mp, opt = setup(recipe, device="cuda")
+    train(model, mp, opt, range(2))
+    ckpt = snapshot(model, mp, opt)
+    train(model, mp, opt, range(2, 4))
+    expected = snapshot(model, mp, opt)
+    model2, mp2, opt2 = setup(recipe, seed=1, device="cuda")
+    model2.load_state_dict(ckpt["model"])
+    opt2.load_state_dict(ckpt["opt"])
+    mp2.load_state_dict(ckpt["mp"])
+    train(model2, mp2, opt2, range(2, 4))
+    assert_bitwise_equal(expected, snapshot(model2, mp2, opt2))

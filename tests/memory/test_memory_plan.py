@@ -1,0 +1,100 @@
+"""The memory planner's arithmetic: the seed's 7B figure, bytes per parameter per recipe, parsing."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from conftest import src_env
+
+from mixprec.memory import (
+    OPTIMIZER_STATE_BYTES, ParamCounts, StorageFacts, TransformerShape, activation_bytes, facts_from_recipe,
+    parse_count, plan,
+)
+from mixprec.recipes import get_recipe
+
+
+def test_seven_billion_params_with_adamw_need_56_gb_of_optimizer_state():
+    # the seed: "For a 7B parameter model, FP32 optimizer states for Adam consume about 56GB"
+    for recipe in ("fp32", "bf16-mixed", "bf16-true", "bf16-true-sr"):
+        p = plan(ParamCounts(7_000_000_000), facts_from_recipe(get_recipe(recipe)), "adamw")
+        assert p.bytes["optimizer state"] == 7e9 * 2 * 4 == 56e9
+
+
+# persistent (weights + masters + optimizer state) and peak bytes per parameter with AdamW and no
+# activations, every parameter stored the recipe's way:
+#   fp32        4 + 0 + 8 = 12; peak + 4 fp32 grads                          = 16
+#   bf16-mixed  4 + 0 + 8 = 12; peak + 4 grads + 2 autocast copies            = 18
+#   bf16-true   2 + 4 + 8 = 14; peak + max(2 bf16 grads, 4 fp32 master grads) = 18
+#   kahan       2 + 2 + 8 = 12; peak + 8 at the step (fp32 grad and value)    = 20
+#   remainder   2 + 2 + 8 = 12; peak + 8                                      = 20
+#   sr, pure    2 + 0 + 8 = 10; peak + 8                                      = 18
+@pytest.mark.parametrize(
+    "recipe, persistent, peak",
+    [("fp32", 12, 16), ("bf16-mixed", 12, 18), ("bf16-true", 14, 18), ("fp16-true", 14, 18),
+     ("bf16-true-kahan", 12, 20), ("bf16-true-remainder", 12, 20), ("bf16-true-sr", 10, 18), ("bf16-pure", 10, 18)],
+)
+def test_bytes_per_parameter_by_recipe(recipe, persistent, peak):
+    p = plan(ParamCounts(1000), facts_from_recipe(get_recipe(recipe)), "adamw")
+    assert (p.persistent / 1000, p.peak / 1000) == (persistent, peak)
+
+
+@pytest.mark.parametrize("optimizer, state", [("adamw", 8), ("adam", 8), ("sgd", 0), ("sgd-momentum", 4),
+                                              ("adagrad", 4), ("rmsprop", 4)])
+def test_optimizer_state_bytes_per_parameter(optimizer, state):
+    p = plan(ParamCounts(10), facts_from_recipe(get_recipe("bf16-true")), optimizer)
+    assert p.bytes["optimizer state"] == 10 * state
+    assert OPTIMIZER_STATE_BYTES[optimizer] == state
+
+
+def test_unknown_optimizer_lists_the_known_ones():
+    with pytest.raises(ValueError, match="adamw, adam, sgd, sgd-momentum, adagrad, rmsprop"):
+        plan(ParamCounts(10), StorageFacts("x", 4, 4), "lion")
+
+
+def test_fp32_kept_parameters_are_counted_at_4_bytes_without_masters():
+    p = plan(ParamCounts(1000, fp32_kept=100), facts_from_recipe(get_recipe("bf16-true")), "sgd")
+    assert p.bytes["weights"] == 900 * 2 + 100 * 4
+    assert p.bytes["masters"] == 900 * 4
+    assert p.bytes["step-time fp32"] == 900 * 4
+
+
+def test_activation_formula_for_a_gpt_block():
+    # t = 2 * 8 = 16 tokens, h = 32, 4 heads: per layer 16*32*(14*2 + 2*4) + 16*16 + 4*8*16*2 = 19712
+    # head (vocab 10): 16*32*(4+2) + 16*10*4 + 16*16 + 8*16 = 4096; two layers: 2*19712 + 4096
+    shape = TransformerShape(batch=2, seq=8, d_model=32, layers=2, heads=4, vocab=10)
+    assert activation_bytes(shape, facts_from_recipe(get_recipe("bf16-mixed"))) == 2 * 19712 + 4096
+    flash = TransformerShape(2, 8, 32, 2, 4, 10, attention="flash")
+    assert activation_bytes(flash, facts_from_recipe(get_recipe("bf16-mixed"))) == 2 * (19712 - 1024 + 256) + 4096
+
+
+def test_bf16_compute_halves_the_compute_dtype_activations_of_fp32():
+    shape = TransformerShape(4, 128, 256, 2, 8)
+    fp32 = activation_bytes(shape, facts_from_recipe(get_recipe("fp32")))
+    bf16 = activation_bytes(shape, facts_from_recipe(get_recipe("bf16-true")))
+    assert 0.5 < bf16 / fp32 < 0.6  # the fp32 residual stream and norm inputs stay
+
+
+@pytest.mark.parametrize("text, value", [("7e9", 7_000_000_000), ("7B", 7_000_000_000), ("125M", 125_000_000),
+                                         ("1_000", 1000), ("1.5k", 1500)])
+def test_parse_count_reads_common_spellings(text, value):
+    assert parse_count(text) == value
+
+
+def test_parse_count_says_what_it_expected():
+    with pytest.raises(ValueError, match="7e9, 7B, 125M"):
+        parse_count("seven")
+
+
+def test_bad_shape_and_counts_are_refused():
+    with pytest.raises(ValueError, match="heads >= 1"):
+        TransformerShape(1, 1, 1, 1, 0)
+    with pytest.raises(ValueError, match="fp32_kept <= total"):
+        ParamCounts(10, fp32_kept=11)
+
+
+def test_the_planner_module_does_not_import_torch():
+    code = "import sys, mixprec.memory; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=src_env())
+    assert out.stdout.strip() == "False"
