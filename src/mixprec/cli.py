@@ -22,6 +22,7 @@ SUBCOMMANDS: dict[str, str] = {
     # lint (issue 6)
 
     # bench (issue 7)
+    "bench": "mixprec.bench.cli",
 }
 
 
