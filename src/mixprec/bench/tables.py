@@ -113,3 +113,22 @@ def roofline_lines(doc: dict[str, Any]) -> list[str]:
             lines.append(f"  at the measured {key} peak {_si(p['flops_per_s'], 'FLOP/s')}: ideal step "
                          f"{_ms(f['step'] / p['flops_per_s'])} ms")
     return lines
+
+
+def compact_rows(doc: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """A narrow recipe table for the end of a log: time, speedup, % of peak, memory, syncs."""
+    headers = ["variant", "step ms", "x fp32", "% peak", "act MiB", "syncs"]
+    rows = []
+    for r in doc["results"]:
+        if r["status"] != "ok":
+            rows.append([r["label"], "error", r["error"].splitlines()[0][:60], "", "", ""])
+            continue
+        mem = r.get("memory") or {}
+        act = mem.get("cuda_forward_delta") if mem.get("cuda_forward_delta") is not None else mem.get("saved_bytes")
+        sp, frac = r.get("speedup_vs_fp32"), r.get("peak_fraction")
+        rows.append([
+            r["label"], _ms(r["step_s"]["median"]), "n/a" if not sp else f"{sp['median']:.2f}",
+            "n/a" if frac is None else f"{100 * frac:.1f} {r['peak_key']}", _mib(act),
+            "n/a" if r.get("syncs_per_step") is None else f"{r['syncs_per_step']:g}",
+        ])
+    return headers, rows
