@@ -26,7 +26,8 @@ def test_plan_picks_up_a_recipe_registered_later(monkeypatch):
     assert "bench-test-recipe" in [v.label for v in plan_variants(None, CPU)]
 
 
-def test_plan_doubles_fp32_compute_with_tf32_on_cuda_only():
+def test_plan_doubles_fp32_compute_with_tf32_on_cuda_only(monkeypatch):
+    monkeypatch.setattr(recipes, "check_device_can_run", lambda recipe, device: None)  # plan for CUDA without one
     cuda = [v.label for v in plan_variants(["fp32", "bf16-mixed"], CUDA, "both")]
     assert cuda == ["fp32", "fp32+tf32", "bf16-mixed"]
     assert [v.label for v in plan_variants(["fp32"], CPU, "both")] == ["fp32"]
@@ -36,6 +37,10 @@ def test_plan_doubles_fp32_compute_with_tf32_on_cuda_only():
 def test_plan_compile_both_runs_eager_then_compiled_and_dedups_aliases():
     labels = [v.label for v in plan_variants(["fp32", "32-true", "bf16"], CPU, compile_mode="both")]
     assert labels == ["fp32", "bf16-mixed", "fp32+compile", "bf16-mixed+compile"]
+
+
+def test_plan_accepts_a_jmp_policy_string():
+    assert [v.label for v in plan_variants(["p=f32,c=bf16,o=f32", "fp32"], CPU)] == ["p=f32,c=bf16,o=f32", "fp32"]
 
 
 def test_plan_refuses_unknown_recipe_and_modes():

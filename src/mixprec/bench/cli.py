@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
 
     from mixprec.bench import tables
     from mixprec.bench.block import get_shape
-    from mixprec.recipes import as_device, get_recipe
+    from mixprec.recipes import as_device, resolve_recipe
 
     console = Console(log_path=False)
     if not console.is_terminal:
@@ -89,8 +89,8 @@ def run(args: argparse.Namespace) -> int:
                 raise ValueError(f"device {args.device!r} asked for, but CUDA is not available here; use --device cpu")
         shape = get_shape(args.shape or ("ref" if device.type == "cuda" else "small" if args.overhead else "cpu"))
         for r in args.recipes or ():
-            get_recipe(r)
-    except ValueError as e:
+            resolve_recipe(r, device)
+    except (ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     clip = args.clip or None
@@ -118,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
 
         try:
             variants = plan_variants(args.recipes, device, args.tf32, args.compile)
-        except ValueError as e:
+        except (ValueError, RuntimeError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
         warmup = args.warmup if args.warmup is not None else (3 if args.compile != "off" else 2)

@@ -23,7 +23,7 @@ from mixprec.bench.block import FLOP_FORMULA, RefBlock, Shape, block_flops, loss
 from mixprec.bench.memory import measure_activation_memory
 from mixprec.bench.peak import measure_matmul_peak, peak_key, peak_keys, tf32
 from mixprec.bench.timing import Summary, count_syncs, interleaved_order, paired_ratio, synchronize, time_call
-from mixprec.recipes import get_recipe, list_recipes
+from mixprec.recipes import list_recipes, resolve_recipe
 from mixprec.training import MixedPrecision
 
 Log = Callable[[str], None]
@@ -45,21 +45,24 @@ class Variant:
 
 def plan_variants(recipes: Sequence[str] | None, device: torch.device, tf32_mode: str = "both",
                   compile_mode: str = "off") -> list[Variant]:
-    """The variants to run: every registered recipe (or ``recipes``), TF32 off/on for fp32 compute on
-    CUDA (``tf32_mode`` "both"; "off"/"on" apply to every recipe), eager and/or compiled.
+    """The variants to run: every registered recipe (or ``recipes``: names, aliases or jmp policy
+    strings), TF32 off/on for fp32 compute on CUDA (``tf32_mode`` "both"; "off"/"on" apply to every
+    recipe), eager and/or compiled.
 
-    Raises ValueError for an unknown recipe name or mode.
+    Raises ValueError for an unknown recipe name or mode, RuntimeError for a recipe the device
+    cannot run.
     """
     if tf32_mode not in ("off", "on", "both"):
         raise ValueError(f"tf32 must be 'off', 'on' or 'both', got {tf32_mode!r}")
     if compile_mode not in ("off", "on", "both"):
         raise ValueError(f"compile must be 'off', 'on' or 'both', got {compile_mode!r}")
-    names = [get_recipe(r).name for r in recipes] if recipes else [r.name for r in list_recipes()]
+    chosen = [resolve_recipe(r, device) for r in recipes] if recipes else list_recipes()
+    compute = {r.name: r.compute_dtype for r in chosen}  # names and jmp policy strings, deduplicated
     compiles = {"off": [False], "on": [True], "both": [False, True]}[compile_mode]
     out: list[Variant] = []
     for c in compiles:
-        for name in dict.fromkeys(names):
-            fp32_compute = get_recipe(name).compute_dtype == torch.float32
+        for name, dtype in compute.items():
+            fp32_compute = dtype == torch.float32
             if device.type != "cuda":
                 flags = [False]  # TF32 is a CUDA tensor-core mode
             elif tf32_mode == "both":

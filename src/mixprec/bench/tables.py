@@ -16,6 +16,12 @@ def _si(x: float | None, unit: str = "") -> str:
     return f"{x:.3g} {unit}".strip()
 
 
+def _first_line(text: str, limit: int = 200) -> str:
+    """Errors from torch.compile run to pages; a table cell gets the first line (the JSON has all)."""
+    line = (text or "").strip().splitlines()[0] if (text or "").strip() else ""
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
 def _ms(s: float | None) -> str:
     return "n/a" if s is None else f"{s * 1e3:.4g}"
 
@@ -37,7 +43,7 @@ def bench_rows(doc: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     rows = []
     for r in doc["results"]:
         if r["status"] != "ok":
-            rows.append([r["label"], f"error: {r['error']}"] + [""] * (len(headers) - 2))
+            rows.append([r["label"], f"error: {_first_line(r['error'])}"] + [""] * (len(headers) - 2))
             continue
         s, mem = r["step_s"], r.get("memory") or {}
         iqr = 100 * (s["q75"] - s["q25"]) / s["median"]
@@ -69,7 +75,7 @@ def overhead_rows(doc: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     rows = []
     for run in doc["runs"]:
         if run["status"] != "ok":
-            rows.append([run["recipe"], run["optimizer"], f"error: {run['error']}"] + [""] * (len(headers) - 3))
+            rows.append([run["recipe"], run["optimizer"], f"error: {_first_line(run['error'])}"] + [""] * (len(headers) - 3))
             continue
         ri = run["ratio_iteration"]
         rows.append([
@@ -121,7 +127,7 @@ def compact_rows(doc: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     rows = []
     for r in doc["results"]:
         if r["status"] != "ok":
-            rows.append([r["label"], "error", r["error"].splitlines()[0][:60], "", "", ""])
+            rows.append([r["label"], "error", _first_line(r["error"], 60), "", "", ""])
             continue
         mem = r.get("memory") or {}
         act = mem.get("cuda_forward_delta") if mem.get("cuda_forward_delta") is not None else mem.get("saved_bytes")
