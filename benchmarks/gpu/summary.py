@@ -31,7 +31,7 @@ def summarize(out: pathlib.Path) -> str:
     compiled = _load(out, "compile_main.json")
     more = _load(out, "compile_more.json")
     overheads = [_load(out, "overhead.json"), _load(out, "overhead_ref.json")]
-    lines = ["# GPU benchmark summary", ""]
+    lines = ["# Benchmark summary", ""]
     env = next((d["env"] for d in (eager, compiled, more, *overheads) if d), None)
     if env:
         lines.append(f"{env.get('device_name')} | torch {env['torch']} | CUDA {env.get('cuda')} | {env['date']}")

@@ -161,8 +161,19 @@ def environment(device: torch.device) -> dict[str, Any]:
         env["device_name"] = torch.cuda.get_device_name(device)
         env["cuda"] = torch.version.cuda
     else:
-        env["device_name"] = platform.processor() or platform.machine()
+        env["device_name"] = _cpu_name()
     return env
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def _baseline_for(v: Variant, labels: set[str]) -> str | None:
