@@ -22,6 +22,7 @@ SUBCOMMANDS: dict[str, str] = {
     # lint (issue 6)
     "lint": "mixprec.lint.cli",
     # bench (issue 7)
+    "bench": "mixprec.bench.cli",
 }
 
 

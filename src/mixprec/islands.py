@@ -86,7 +86,8 @@ class Fp32Island:
 
     def __init__(self, device_type: str | None = None) -> None:
         self.device_type = device_type
-        self._stack: list[tuple[contextlib.ExitStack, torch.dtype | None]] = []
+        # per active call: (device type whose autocast this island switched off, dtype to hand back)
+        self._stack: list[tuple[str | None, torch.dtype | None]] = []
         self.handles: list[torch.utils.hooks.RemovableHandle] = []
 
     def attach(self, module: nn.Module) -> "Fp32Island":
@@ -107,22 +108,26 @@ class Fp32Island:
     def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         device_type = self.device_type or _first_device_type((args, kwargs))
         in_dtype = _first_floating_dtype((args, kwargs))
-        stack = contextlib.ExitStack()
         active = bool(device_type) and torch.is_autocast_enabled(device_type)
         if active:
-            # Output goes back to what autocast would have handed the next op: the autocast dtype
-            # when the input was 16-bit, else whatever came in.
-            stack.enter_context(torch.autocast(device_type, enabled=False))
+            # Switched directly rather than with an autocast(enabled=False) context: a context
+            # entered in this hook and left in the post-hook cannot be traced by torch.compile
+            # (dynamo fails on it), while the plain switch compiles into one graph. Inside the
+            # enclosing autocast region the two do the same.
+            torch.set_autocast_enabled(device_type, False)
+        # Output goes back to what autocast would have handed the next op: the autocast dtype
+        # when the input was 16-bit, else whatever came in.
         back = in_dtype if in_dtype in (torch.float16, torch.bfloat16) else None
-        self._stack.append((stack, back))
+        self._stack.append((device_type if active else None, back))
         if in_dtype in (torch.float16, torch.bfloat16) or active:
             args = cast_floating(args, torch.float32)
             kwargs = cast_floating(kwargs, torch.float32)
         return args, kwargs
 
     def _post(self, module: nn.Module, args: tuple, output: Any) -> Any:
-        stack, back = self._stack.pop()
-        stack.close()
+        switched, back = self._stack.pop()
+        if switched is not None:
+            torch.set_autocast_enabled(switched, True)
         if back is not None and output is not None:
             return cast_floating(output, back)
         return output

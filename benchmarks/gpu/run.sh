@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# The GPU benchmark run: CUDA-only tests, then the GPU benchmarks, then a short table, in one call
+# of about 8 minutes on an H200 (see docs/bench.md for what each part measures).
+#
+#   bash benchmarks/gpu/run.sh                         # on the GPU machine, from anywhere; results in $OUT
+#   DEVICE=cpu QUICK=1 NOCOMPILE=1 bash benchmarks/gpu/run.sh   # dry run on a CPU: tiny shapes
+#
+# Every part runs under its own time limit and inside one shared budget (BUDGET seconds, default
+# 470); a part that fails or runs out of time is logged and the next one runs. Files in $OUT (8 at
+# most come back from the device tool): run.log, bench_eager.json, overhead.json, overhead_ref.json,
+# compile_main.json, compile_more.json, summary.md.
+set -u
+cd "$(dirname "$0")/../.." || exit 1
+ROOT=$PWD
+PY=${PYTHON:-python3}
+OUT=${OUT:-$ROOT/mixprec-out/gpu}
+DEVICE=${DEVICE:-cuda}
+BUDGET=${BUDGET:-470}
+QUICK=${QUICK:-0}
+NOCOMPILE=${NOCOMPILE:-0}
+mkdir -p "$OUT"
+export PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+LOG=$OUT/run.log
+: > "$LOG"
+START=$(date +%s)
+if [ "$QUICK" = 1 ]; then
+  SHAPE=tiny; SMALL=tiny; REPS=2; OREPS=3; EXTRA="--threads 1"
+else
+  SHAPE=ref; SMALL=small; REPS=20; OREPS=30; EXTRA=""
+fi
+BENCH="$PY -m mixprec bench --device $DEVICE $EXTRA"
+
+part() {  # part NAME LIMIT_S MIN_S COMMAND...: run COMMAND under min(LIMIT_S, budget left), unless < MIN_S is left
+  local name=$1 limit=$2 min=$3
+  shift 3
+  local left=$(( BUDGET - ($(date +%s) - START) ))
+  if [ "$left" -lt "$min" ]; then
+    echo "--- $name: skipped, ${left}s of ${BUDGET}s left" | tee -a "$LOG"
+    return 0
+  fi
+  [ "$limit" -gt "$left" ] && limit=$left
+  echo "=== $name (limit ${limit}s): $*" | tee -a "$LOG"
+  local t0
+  t0=$(date +%s)
+  timeout -k 5 "$limit" "$@" >> "$LOG" 2>&1
+  local rc=$?
+  local note=""
+  [ "$rc" = 124 ] && note=" (time limit)"
+  echo "--- $name: rc=$rc in $(( $(date +%s) - t0 ))s$note" | tee -a "$LOG"
+}
+
+part env 30 5 bash -c "$PY -c 'import sys, torch; print(sys.version); print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.get_device_name(0) if torch.cuda.is_available() else \"no CUDA\")'; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv 2>/dev/null || true"
+# rc 5 = no CUDA tests collected
+part cuda-tests 150 30 $PY -m pytest -m cuda -q -p no:cacheprovider -rs
+part eager 120 40 $BENCH --shape $SHAPE --reps $REPS --steps-per-rep 3 --tf32 both --json "$OUT/bench_eager.json" --markdown
+# where the step's host overhead shows (a small, launch-bound shape), then the reference shape
+part overhead 90 30 $BENCH --overhead --shape $SMALL --recipes fp32 bf16-mixed fp16-mixed --optimizer fused foreach --reps $OREPS --plain --json "$OUT/overhead.json" --markdown
+part overhead-ref 60 25 $BENCH --overhead --shape $SHAPE --recipes bf16-mixed fp16-mixed --optimizer fused foreach --reps $(( OREPS * 2 / 3 )) --json "$OUT/overhead_ref.json" --markdown
+if [ "$NOCOMPILE" != 1 ]; then
+  # the goal pair first (bf16-mixed against fp32, TF32 off), then every recipe (the cache makes repeats cheap)
+  part compile-main 200 90 $BENCH --shape $SHAPE --compile on --tf32 off --recipes fp32 bf16-mixed --reps $REPS --steps-per-rep 3 --json "$OUT/compile_main.json" --markdown
+  part compile-more 150 60 $BENCH --shape $SHAPE --compile on --tf32 both --reps $REPS --steps-per-rep 3 --json "$OUT/compile_more.json" --markdown
+fi
+echo "total $(( $(date +%s) - START ))s of ${BUDGET}s" | tee -a "$LOG"
+timeout -k 5 30 $PY benchmarks/gpu/summary.py "$OUT"

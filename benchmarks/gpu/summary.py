@@ -1,0 +1,70 @@
+"""Print the short table that ends benchmarks/gpu/run.sh, and write it to OUT/summary.md.
+
+    python benchmarks/gpu/summary.py OUT_DIR
+
+Reads what the parts left in OUT_DIR (bench_eager.json, compile_main.json, compile_more.json,
+overhead.json, overhead_ref.json, run.log); a missing file just leaves its rows out.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "src"))
+
+from mixprec.bench import goals, tables  # noqa: E402
+
+
+def _load(out: pathlib.Path, name: str) -> dict | None:
+    path = out / name
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def summarize(out: pathlib.Path) -> str:
+    eager = _load(out, "bench_eager.json")
+    compiled = _load(out, "compile_main.json")
+    more = _load(out, "compile_more.json")
+    overheads = [_load(out, "overhead.json"), _load(out, "overhead_ref.json")]
+    lines = ["# Benchmark summary", ""]
+    env = next((d["env"] for d in (eager, compiled, more, *overheads) if d), None)
+    if env:
+        lines.append(f"{env.get('device_name')} | torch {env['torch']} | CUDA {env.get('cuda')} | {env['date']}")
+        lines.append("")
+    log = out / "run.log"
+    if log.exists():
+        parts = re.findall(r"^--- (\S+): (rc=\d+ in \d+s.*|skipped.*)$", log.read_text(errors="replace"), re.M)
+        lines += ["parts: " + "; ".join(f"{name} {status}" for name, status in parts), ""]
+    for title, doc in (("eager", eager), ("torch.compile (fp32, bf16-mixed)", compiled), ("torch.compile (all)", more)):
+        if doc:
+            s = doc["shape"]
+            lines += [f"## {title}: d={s['d_model']} B={s['batch']} T={s['seq']}, {doc['settings']['optimizer']}, "
+                      f"{doc['flops']['step']:.3g} FLOP/step", "", tables.markdown_table(*tables.compact_rows(doc)), ""]
+    if eager and eager.get("peaks"):
+        lines += [tables.markdown_table(*tables.peak_rows(eager)), ""]
+    for doc in overheads:
+        if doc:
+            lines += [f"## step overhead, shape {doc['shape']['name']}", "", tables.markdown_table(*tables.overhead_rows(doc)), ""]
+    rows = [[g["goal"], g["target"], g["measured"], goals.verdict(g)] for g in goals.all_goals(eager, compiled, overheads)]
+    lines += ["## goals", "", tables.markdown_table(["goal", "target", "measured", "verdict"], rows)]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print("usage: python benchmarks/gpu/summary.py OUT_DIR", file=sys.stderr)
+        return 2
+    out = pathlib.Path(argv[0])
+    text = summarize(out)
+    (out / "summary.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

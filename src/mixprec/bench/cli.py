@@ -1,0 +1,141 @@
+"""``mixprec bench``: what each recipe buys on this machine, and what mixprec's step costs."""
+
+from __future__ import annotations
+
+import argparse
+
+HELP = "time the reference transformer block under every recipe (or mixprec's step against a hand-written loop)"
+DESCRIPTION = """\
+Time one pre-LN transformer block (forward, backward, AdamW step, clipping) under every recipe,
+interleaved, and report per recipe: median step time, speedup over fp32, tokens/s, achieved FLOP/s
+and the fraction of a matmul peak measured in the same run, activation memory, and host syncs per
+step on CUDA. With --overhead, time MixedPrecision.step against the same loop written by hand with
+torch.autocast + torch.amp.GradScaler instead, and print the ratio.
+
+Shapes: ref (d=1024, B=32, T=512; the seeds' shape, for GPUs), cpu (d=256, B=4, T=128), small,
+tiny. CPU numbers on a shared machine are noisy: read the IQR column.
+
+examples:
+  mixprec bench                                   # cpu shape on CPU, ref shape on CUDA
+  mixprec bench --shape tiny --reps 3 --json out.json
+  mixprec bench --device cuda --compile both --recipes fp32 bf16-mixed
+  mixprec bench --overhead --recipes fp32 fp16-mixed --reps 60
+"""
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--shape", default=None, help="ref, cpu, small or tiny (default: ref on CUDA, cpu on CPU; small with --overhead)")
+    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
+    parser.add_argument("--recipes", nargs="+", default=None, metavar="NAME",
+                        help="recipes to run (default: every registered recipe; with --overhead: fp32 and fp16-mixed)")
+    parser.add_argument("--reps", type=int, default=None, help="interleaved rounds (default 10; 50 with --overhead)")
+    parser.add_argument("--steps-per-rep", type=int, default=1, help="training steps timed together per round")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed steps per variant first (default 2; 3 with --compile)")
+    parser.add_argument("--compile", nargs="?", const="both", default="off", choices=("off", "on", "both"),
+                        help="run torch.compile'd variants ('--compile' alone: eager and compiled)")
+    parser.add_argument("--tf32", default="both", choices=("off", "on", "both"),
+                        help="TF32 for fp32 matmuls on CUDA; 'both' runs fp32 recipes twice (default)")
+    parser.add_argument("--optimizer", nargs="+", default=None, choices=("foreach", "fused", "forloop"),
+                        help="AdamW implementation (default: fused on CUDA, foreach on CPU); several with --overhead")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="CPU threads for torch (default: torch's choice); 1 is steadier on a busy machine")
+    parser.add_argument("--clip", type=float, default=1.0, help="max grad norm (0: no clipping; default 1.0)")
+    parser.add_argument("--no-peak", action="store_true", help="skip the matmul peak measurement")
+    parser.add_argument("--no-memory", action="store_true", help="skip the activation/peak memory pass")
+    parser.add_argument("--overhead", action="store_true", help="time MixedPrecision.step against the hand-written torch.amp loop")
+    parser.add_argument("--plain", action="store_true", help="with --overhead: also time the hand loop on an unprepared model")
+    parser.add_argument("--json", default=None, metavar="PATH", help="write the full results (every sample) as JSON")
+    parser.add_argument("--markdown", action="store_true", help="also print the tables as Markdown")
+
+
+def _check(args: argparse.Namespace) -> str | None:
+    for name in ("reps", "steps_per_rep", "warmup", "threads"):
+        value = getattr(args, name)
+        if value is not None and value < (0 if name == "warmup" else 1):
+            return f"--{name.replace('_', '-')} must be >= {0 if name == 'warmup' else 1}, got {value}"
+    if args.clip < 0:
+        return f"--clip must be >= 0 (0 turns clipping off), got {args.clip}"
+    if args.plain and not args.overhead:
+        return "--plain only applies with --overhead"
+    if args.optimizer and len(args.optimizer) > 1 and not args.overhead:
+        return "several --optimizer values only apply with --overhead"
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    import json
+    import sys
+
+    problem = _check(args)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+
+    from rich.console import Console
+
+    from mixprec.bench import tables
+    from mixprec.bench.block import get_shape
+    from mixprec.recipes import as_device, resolve_recipe
+
+    console = Console(log_path=False)
+    if not console.is_terminal:
+        console = Console(width=200, log_path=False)  # a piped table should not wrap every cell
+    try:
+        device = as_device(args.device)
+        if device.type == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ValueError(f"device {args.device!r} asked for, but CUDA is not available here; use --device cpu")
+        shape = get_shape(args.shape or ("ref" if device.type == "cuda" else "small" if args.overhead else "cpu"))
+        for r in args.recipes or ():
+            resolve_recipe(r, device)
+    except (ValueError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    clip = args.clip or None
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    log = lambda msg: console.log(msg)  # noqa: E731
+
+    if args.overhead:
+        from mixprec.bench.overhead import run_overhead_suite
+        from mixprec.bench.runner import default_optimizer
+
+        doc = run_overhead_suite(
+            shape, device, args.recipes or ["fp32", "fp16-mixed"], args.optimizer or [default_optimizer(device)],
+            rounds=args.reps or 50, warmup=3 if args.warmup is None else args.warmup, clip=clip,
+            arms=("mixprec", "hand", "hand-plain") if args.plain else ("mixprec", "hand"), log=log,
+        )
+        headers, rows = tables.overhead_rows(doc)
+        console.print(tables.rich_table(f"MixedPrecision.step vs the hand-written torch.amp loop, shape {shape.describe()}",
+                                        headers, rows))
+        console.print("ratio = mixprec / hand per interleaved round: median [IQR]; < 1 means mixprec is faster.")
+    else:
+        from mixprec.bench.runner import plan_variants, run_bench
+
+        try:
+            variants = plan_variants(args.recipes, device, args.tf32, args.compile)
+        except (ValueError, RuntimeError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        warmup = args.warmup if args.warmup is not None else (3 if args.compile != "off" else 2)
+        doc = run_bench(shape, device, variants, rounds=args.reps or 10, steps_per_round=args.steps_per_rep,
+                        warmup=warmup, optimizer=(args.optimizer or [None])[0], clip=clip,
+                        peaks=not args.no_peak, peak_n=256 if shape.name == "tiny" else None, memory=not args.no_memory, log=log)
+        headers, rows = tables.bench_rows(doc)
+        console.print(tables.rich_table(f"reference block on {doc['env']['device_name']} ({device})", headers, rows))
+        if doc["peaks"]:
+            console.print(tables.rich_table("measured matmul peaks", *tables.peak_rows(doc)))
+        for line in tables.roofline_lines(doc):
+            console.print(line, highlight=False)
+    if args.markdown:
+        print(tables.markdown_table(headers, rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=1)
+        console.print(f"wrote {args.json}")
+    errors = [r for r in doc.get("results", doc.get("runs", [])) if r["status"] != "ok"]
+    return 1 if errors else 0

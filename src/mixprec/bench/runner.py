@@ -1,0 +1,290 @@
+"""Time the reference block's training step under every recipe, interleaved, and set each result
+against fp32 and against the machine's measured ceiling.
+
+One ``Variant`` is a recipe plus the switches that change its speed but not its name (TF32 for fp32
+matmuls on CUDA, ``torch.compile``). Each variant gets its own model (same seed), optimizer and
+``MixedPrecision``; they all live at once so the rounds can interleave them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import platform
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixprec.bench.block import FLOP_FORMULA, RefBlock, Shape, block_flops, loss_fn, make_batches
+from mixprec.bench.memory import measure_activation_memory
+from mixprec.bench.peak import measure_matmul_peak, peak_key, peak_keys, tf32
+from mixprec.bench.timing import Summary, count_syncs, interleaved_order, paired_ratio, synchronize, time_call
+from mixprec.recipes import list_recipes, resolve_recipe
+from mixprec.training import MixedPrecision
+
+Log = Callable[[str], None]
+OPTIMIZERS = ("foreach", "fused", "forloop")
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """A recipe and the speed switches it runs with."""
+
+    recipe: str
+    tf32: bool = False
+    compile: bool = False
+
+    @property
+    def label(self) -> str:
+        return self.recipe + ("+tf32" if self.tf32 else "") + ("+compile" if self.compile else "")
+
+
+def plan_variants(recipes: Sequence[str] | None, device: torch.device, tf32_mode: str = "both",
+                  compile_mode: str = "off") -> list[Variant]:
+    """The variants to run: every registered recipe (or ``recipes``: names, aliases or jmp policy
+    strings), TF32 off/on for fp32 compute on CUDA (``tf32_mode`` "both"; "off"/"on" apply to every
+    recipe), eager and/or compiled.
+
+    Raises ValueError for an unknown recipe name or mode, RuntimeError for a recipe the device
+    cannot run.
+    """
+    if tf32_mode not in ("off", "on", "both"):
+        raise ValueError(f"tf32 must be 'off', 'on' or 'both', got {tf32_mode!r}")
+    if compile_mode not in ("off", "on", "both"):
+        raise ValueError(f"compile must be 'off', 'on' or 'both', got {compile_mode!r}")
+    chosen = [resolve_recipe(r, device) for r in recipes] if recipes else list_recipes()
+    compute = {r.name: r.compute_dtype for r in chosen}  # names and jmp policy strings, deduplicated
+    compiles = {"off": [False], "on": [True], "both": [False, True]}[compile_mode]
+    out: list[Variant] = []
+    for c in compiles:
+        for name, dtype in compute.items():
+            fp32_compute = dtype == torch.float32
+            if device.type != "cuda":
+                flags = [False]  # TF32 is a CUDA tensor-core mode
+            elif tf32_mode == "both":
+                flags = [False, True] if fp32_compute else [False]
+            else:
+                flags = [tf32_mode == "on"]
+            out.extend(Variant(name, t, c) for t in flags)
+    return out
+
+
+def make_optimizer(params: Any, kind: str, lr: float = 1e-4) -> torch.optim.Optimizer:
+    """AdamW in one of torch's three implementations."""
+    if kind not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {kind!r}")
+    flags = {"fused": {"fused": True}, "foreach": {"foreach": True}, "forloop": {"foreach": False}}[kind]
+    return torch.optim.AdamW(params, lr=lr, **flags)
+
+
+def default_optimizer(device: torch.device) -> str:
+    return "fused" if device.type == "cuda" else "foreach"
+
+
+def _raise_dynamo_cache_limit() -> None:
+    # Every variant is the same RefBlock code under a different autocast/TF32 state: each needs its
+    # own cache entry, and the default limit of 8 would silently drop later variants to eager.
+    cfg = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(cfg, name):
+            setattr(cfg, name, max(64, getattr(cfg, name)))
+
+
+class Trainer:
+    """One variant's model, optimizer and ``MixedPrecision``, and its training step."""
+
+    def __init__(self, variant: Variant, shape: Shape, device: torch.device, optimizer: str, clip: float | None,
+                 batches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.variant = variant
+        self.device = device
+        self.clip = clip
+        self.mp = MixedPrecision(variant.recipe, device)
+        torch.manual_seed(0)
+        model = RefBlock(shape).to(device)
+        # A recipe that stores parameters in 16 bits (bf16-true, ...) gets its model in that dtype.
+        model = self.mp.prepare(model.to(self.mp.policy.param_dtype))
+        self.model: nn.Module = model
+        self.forward_module: Callable[[torch.Tensor], torch.Tensor] = model
+        if variant.compile:
+            _raise_dynamo_cache_limit()
+            self.forward_module = torch.compile(model)
+        self.opt = make_optimizer(model.parameters(), optimizer)
+        self.batches = [(x.to(self.mp.policy.param_dtype), y) for x, y in batches]
+        self.steps = 0
+
+    def _tf32(self) -> contextlib.AbstractContextManager:
+        return tf32(self.variant.tf32) if self.device.type == "cuda" else contextlib.nullcontext()
+
+    def loss(self, i: int) -> torch.Tensor:
+        x, y = self.batches[i % len(self.batches)]
+        with self._tf32(), self.mp.autocast():
+            out = self.forward_module(x)
+        return loss_fn(out, y)  # outside autocast: the loss reduction runs in fp32
+
+    def step(self) -> None:
+        loss = self.loss(self.steps)
+        with self._tf32():
+            self.mp.step(loss, self.opt, max_grad_norm=self.clip)
+        self.steps += 1
+
+    def memory(self) -> dict[str, int | None]:
+        """Activation memory of one forward, then peak allocated memory over one full step (CUDA)."""
+        self.opt.zero_grad(set_to_none=True)
+        mem = measure_activation_memory(lambda: self.loss(0), self.model, self.device, inputs=self.batches[0],
+                                        saved_tensors=not self.variant.compile)
+        mem["cuda_peak_step"] = None
+        if self.device.type == "cuda":
+            synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.step()
+            synchronize(self.device)
+            mem["cuda_peak_step"] = torch.cuda.max_memory_allocated(self.device)
+        return mem
+
+
+def environment(device: torch.device) -> dict[str, Any]:
+    env = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "device": str(device),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "threads": torch.get_num_threads(),
+        "command": " ".join(sys.argv),
+    }
+    if device.type == "cuda":
+        env["device_name"] = torch.cuda.get_device_name(device)
+        env["cuda"] = torch.version.cuda
+    else:
+        env["device_name"] = _cpu_name()
+    return env
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _baseline_for(v: Variant, labels: set[str]) -> str | None:
+    for candidate in (Variant("fp32", False, v.compile).label, Variant("fp32").label):
+        if candidate in labels:
+            return candidate
+    return None
+
+
+def run_bench(
+    shape: Shape,
+    device: torch.device,
+    variants: Sequence[Variant],
+    *,
+    rounds: int = 10,
+    steps_per_round: int = 1,
+    warmup: int = 2,
+    optimizer: str | None = None,
+    clip: float | None = 1.0,
+    peaks: bool = True,
+    peak_n: int | None = None,
+    memory: bool = True,
+    syncs: bool = True,
+    log: Log | None = None,
+) -> dict[str, Any]:
+    """Run the benchmark and return a JSON-ready dict (see docs/bench.md for its fields).
+
+    A variant that fails to build or run is reported with ``status: "error"`` and its message; the
+    others carry on.
+    """
+    say = log or (lambda msg: None)
+    optimizer = optimizer or default_optimizer(device)
+    flops = block_flops(shape)
+    batches = make_batches(shape, device)
+    results: dict[str, dict[str, Any]] = {}
+    trainers: dict[str, Trainer] = {}
+    for v in variants:
+        res = results[v.label] = {"label": v.label, "recipe": v.recipe, "tf32": v.tf32, "compile": v.compile,
+                                  "status": "ok", "error": None}
+        try:
+            t = Trainer(v, shape, device, optimizer, clip, batches)
+            say(f"warming up {v.label}")
+            res["warmup_s"] = time_call(lambda: [t.step() for _ in range(warmup)], device)
+            trainers[v.label] = t
+        except Exception as e:  # one broken recipe must not sink the table
+            res.update(status="error", error=f"{type(e).__name__}: {e}")
+            say(f"{v.label}: {res['error']}")
+
+    samples: dict[str, list[float]] = {label: [] for label in trainers}
+    order = interleaved_order(list(trainers), rounds)
+    for i, (r, label) in enumerate(order):
+        if label not in trainers:
+            continue
+        try:
+            samples[label].append(time_call(trainers[label].step, device, steps_per_round))
+        except Exception as e:
+            results[label].update(status="error", error=f"{type(e).__name__}: {e}")
+            del trainers[label]
+        if (i + 1) % max(1, len(samples)) == 0:
+            say(f"round {r + 1}/{rounds}")
+
+    peak_results: dict[str, dict] = {}
+    if peaks:
+        for key in peak_keys(device):
+            say(f"measuring the {key} matmul peak")
+            try:
+                peak_results[key] = measure_matmul_peak(key, device, peak_n)
+            except Exception as e:
+                peak_results[key] = {"key": key, "error": f"{type(e).__name__}: {e}"}
+
+    for label, t in trainers.items():
+        res = results[label]
+        s = Summary.of(samples[label])
+        res["step_s"] = s.to_dict()
+        res["samples_s"] = samples[label]
+        res["tokens_per_s"] = shape.tokens / s.median
+        res["achieved_flops_per_s"] = flops["step"] / s.median
+        key = peak_key(t.mp.policy.compute_dtype, t.variant.tf32, device)
+        peak = peak_results.get(key, {}).get("flops_per_s")
+        res["peak_key"] = key
+        res["peak_flops_per_s"] = peak
+        res["ideal_s"] = flops["step"] / peak if peak else None
+        res["peak_fraction"] = res["achieved_flops_per_s"] / peak if peak else None
+        if memory:
+            try:
+                res["memory"] = t.memory()
+            except Exception as e:
+                res["memory"] = {"error": f"{type(e).__name__}: {e}"}
+        if syncs and device.type == "cuda":
+            n = 3
+            with count_syncs(device) as box:
+                for _ in range(n):
+                    t.step()
+            res["syncs_per_step"] = box[0] / n
+        else:
+            res["syncs_per_step"] = None
+
+    for label in trainers:
+        base = _baseline_for(trainers[label].variant, set(trainers))
+        results[label]["speedup_vs_fp32"] = (
+            None if base is None else {"baseline": base, **paired_ratio(samples[base], samples[label])}
+        )
+
+    return {
+        "kind": "mixprec-bench",
+        "version": 1,
+        "env": environment(device),
+        "shape": {**dataclasses.asdict(shape), "tokens": shape.tokens},
+        "flops": {**flops, "formula": FLOP_FORMULA},
+        "settings": {"rounds": rounds, "steps_per_round": steps_per_round, "warmup": warmup,
+                     "optimizer": f"AdamW({optimizer})", "max_grad_norm": clip},
+        "peaks": peak_results,
+        "results": list(results.values()),
+    }

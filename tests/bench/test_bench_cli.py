@@ -1,0 +1,74 @@
+"""``mixprec bench``: help, argument errors, and a tiny run end to end."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+import mixprec
+from mixprec.cli import main
+
+
+def test_help_exits_zero_and_shows_examples(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "--overhead" in out and "mixprec bench --shape tiny" in out
+
+
+def test_listing_the_commands_does_not_import_torch():
+    src = str(pathlib.Path(mixprec.__file__).parents[1])
+    code = "import sys, mixprec.cli; mixprec.cli.build_parser(); print('torch' in sys.modules)"
+    env = {**os.environ, "PYTHONPATH": src}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env).stdout
+    assert out.strip() == "False"
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--reps", "0"], "--reps must be >= 1"),
+        (["--warmup", "-1"], "--warmup must be >= 0"),
+        (["--clip", "-1"], "--clip must be >= 0"),
+        (["--plain"], "--plain only applies with --overhead"),
+        (["--optimizer", "fused", "foreach"], "only apply with --overhead"),
+        (["--shape", "huge"], "Unknown shape 'huge'"),
+        (["--recipes", "fp33"], "Unknown recipe 'fp33'"),
+        (["--device", "cuda:x"], "Unknown device"),
+    ],
+)
+def test_bad_arguments_exit_2_with_a_message(argv, message, capsys):
+    assert main(["bench", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bad_choice_is_refused_by_argparse():
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--tf32", "maybe"])
+    assert e.value.code == 2
+
+
+def test_tiny_run_exits_0_and_writes_json(tmp_path, capsys):
+    path = tmp_path / "bench.json"
+    code = main(["bench", "--shape", "tiny", "--device", "cpu", "--reps", "2", "--warmup", "1", "--recipes", "fp32",
+                 "bf16", "--no-peak", "--json", str(path), "--markdown"])
+    assert code == 0
+    doc = json.loads(path.read_text())
+    assert [r["label"] for r in doc["results"]] == ["fp32", "bf16-mixed"]
+    assert doc["shape"]["name"] == "tiny" and doc["peaks"] == {}
+    out = capsys.readouterr().out
+    assert "| variant |" in out and "FLOPs per step" in out
+
+
+def test_tiny_overhead_run_exits_0_and_writes_json(tmp_path, capsys):
+    path = tmp_path / "overhead.json"
+    code = main(["bench", "--overhead", "--shape", "tiny", "--device", "cpu", "--reps", "2", "--warmup", "1",
+                 "--recipes", "fp32", "--json", str(path)])
+    assert code == 0
+    doc = json.loads(path.read_text())
+    assert doc["kind"] == "mixprec-overhead" and doc["runs"][0]["status"] == "ok"
+    assert "mixprec / hand" in capsys.readouterr().out

@@ -1,0 +1,70 @@
+"""Activation memory and the matmul peak."""
+
+import pytest
+import torch
+from torch import nn
+
+from mixprec.bench.block import SHAPES, make_batches
+from mixprec.bench.memory import SavedTensorMeter, measure_activation_memory
+from mixprec.bench.peak import measure_matmul_peak, peak_key, tf32
+from mixprec.bench.runner import Trainer, Variant
+
+
+def test_saved_tensor_meter_counts_each_storage_once_and_skips_excluded():
+    a = torch.randn(100, requires_grad=True)
+    b = torch.randn(100, requires_grad=True)
+    with SavedTensorMeter() as m:
+        (a * a).sum()  # saves a twice: one storage
+    assert m.bytes == 400
+    with SavedTensorMeter(exclude=[b]) as m:
+        (a * b).sum()
+    assert m.bytes == 400
+
+
+def test_linear_activation_is_its_input_not_its_weight():
+    lin = nn.Linear(8, 4)
+    x = torch.randn(16, 8)
+    h = x * 2  # created in the forward: counted
+    mem = measure_activation_memory(lambda: lin(x * 2).sum(), lin, torch.device("cpu"), inputs=[x])
+    assert mem["saved_bytes"] == h.nbytes
+    assert mem["cuda_forward_delta"] is None
+
+
+def test_bf16_mixed_saves_at_most_0_8x_the_activation_bytes_of_fp32():
+    # Per token the block saves 64*d bytes in fp32 and 36*d in bf16-mixed (the residual stream and
+    # the norm islands stay fp32), plus bf16 weight copies: 0.75x at this shape, 0.59x at ref.
+    shape, dev = SHAPES["small"], torch.device("cpu")
+    batches = make_batches(shape, dev, count=1)
+    saved = {r: Trainer(Variant(r), shape, dev, "foreach", 1.0, batches).memory()["saved_bytes"]
+             for r in ("fp32", "bf16-mixed")}
+    d, tokens = shape.d_model, shape.tokens
+    assert saved["fp32"] == pytest.approx(64 * d * tokens, rel=0.02)
+    bf16_weights = 2 * 12 * d * d
+    assert saved["bf16-mixed"] == pytest.approx(36 * d * tokens + bf16_weights, rel=0.02)
+    assert saved["bf16-mixed"] <= 0.8 * saved["fp32"]
+
+
+def test_tf32_context_sets_and_restores_matmul_precision():
+    before = torch.get_float32_matmul_precision()
+    with tf32(True):
+        assert torch.get_float32_matmul_precision() == "high"
+        with tf32(False):
+            assert torch.get_float32_matmul_precision() == "highest"
+        assert torch.get_float32_matmul_precision() == "high"
+    assert torch.get_float32_matmul_precision() == before
+
+
+def test_peak_key_names_the_compute_dtype_and_tf32_only_on_cuda():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert peak_key(torch.float32, True, cpu) == "f32"
+    assert peak_key(torch.float32, True, cuda) == "tf32"
+    assert peak_key(torch.float32, False, cuda) == "f32"
+    assert peak_key(torch.bfloat16, True, cuda) == "bf16"
+    assert peak_key(torch.float16, False, cpu) == "f16"
+
+
+def test_matmul_peak_reports_the_faster_layout():
+    p = measure_matmul_peak("bf16", torch.device("cpu"), n=64, repeat=1, rounds=1)
+    assert p["n"] == 64 and p["dtype"] == "torch.bfloat16"
+    assert set(p["layouts"]) == {"nn", "nt"}
+    assert p["flops_per_s"] == pytest.approx(2 * 64**3 / min(p["layouts"].values()))

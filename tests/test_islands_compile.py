@@ -1,0 +1,73 @@
+"""fp32 islands under torch.compile, and the autocast state around them."""
+
+import pytest
+import torch
+from torch import nn
+
+from mixprec.islands import keep_fp32
+from mixprec.training import MixedPrecision
+
+
+class _Probe(nn.Module):
+    """Records whether autocast was on while its forward ran, and the dtype it computed in."""
+
+    def __init__(self, fail: bool = False) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.fail = fail
+        self.seen: list[tuple[bool, torch.dtype]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        self.seen.append((torch.is_autocast_enabled("cpu"), y.dtype))
+        if self.fail:
+            raise RuntimeError("boom")
+        return y
+
+
+def test_island_turns_autocast_off_inside_and_back_on_after():
+    net = nn.Sequential(nn.Linear(4, 4), _Probe())
+    keep_fp32(net, ["1"])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = net(torch.randn(2, 4))
+        assert torch.is_autocast_enabled("cpu")
+    assert net[1].seen == [(False, torch.float32)]
+    assert out.dtype == torch.bfloat16  # handed back in the dtype it received
+
+
+def test_island_restores_autocast_when_its_module_raises():
+    probe = _Probe(fail=True)
+    keep_fp32(probe, ["_Probe"])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.raises(RuntimeError, match="boom"):
+            probe(torch.randn(2, 4))
+        assert torch.is_autocast_enabled("cpu")
+
+
+def test_island_outside_autocast_leaves_it_off():
+    probe = _Probe()
+    keep_fp32(probe, ["_Probe"])
+    probe(torch.randn(2, 4))
+    assert not torch.is_autocast_enabled("cpu") and probe.seen == [(False, torch.float32)]
+
+
+@pytest.mark.slow
+def test_prepared_model_compiles_into_one_graph_and_matches_eager():
+    from mixprec.bench.block import SHAPES, RefBlock, make_batches
+
+    shape = SHAPES["tiny"]
+    mp = MixedPrecision("bf16-mixed", "cpu")
+    torch.manual_seed(0)
+    eager = mp.prepare(RefBlock(shape))
+    torch.manual_seed(0)
+    model = MixedPrecision("bf16-mixed", "cpu").prepare(RefBlock(shape))
+    compiled = torch.compile(model, fullgraph=True)  # fullgraph: an island may not break the graph
+    x, _ = make_batches(shape, "cpu", count=1)[0]
+    with mp.autocast():
+        want, got = eager(x), compiled(x)
+    assert got.dtype == want.dtype == torch.float32
+    assert torch.equal(got, want)
+    got.pow(2).mean().backward()
+    want.pow(2).mean().backward()
+    for p, q in zip(model.parameters(), eager.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-2, atol=1e-5)
