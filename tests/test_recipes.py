@@ -13,7 +13,8 @@ from mixprec.recipes import Recipe, get_recipe, resolve_recipe
 @pytest.mark.parametrize(
     "name,canon",
     [("fp32", "fp32"), ("32-true", "fp32"), ("O0", "fp32"), ("bf16-mixed", "bf16-mixed"), ("BF16", "bf16-mixed"),
-     ("16-mixed", "fp16-mixed"), ("fp16-mixed", "fp16-mixed"), ("O1", "fp16-mixed"), ("16", "fp16-mixed")],
+     ("16-mixed", "fp16-mixed"), ("fp16-mixed", "fp16-mixed"), ("O1", "fp16-mixed"), ("16", "fp16-mixed"),
+     ("fp16", "fp16-mixed")],
 )
 def test_names_and_aliases(name, canon):
     assert resolve_recipe(name, "cpu").name == canon

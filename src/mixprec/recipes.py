@@ -168,7 +168,7 @@ register_recipe(
         fp32_modules=(NORMS,),
         description="fp16 autocast with dynamic loss scaling, fp32 weights/optimizer/loss, norms in fp32",
     ),
-    aliases=("16-mixed", "16", "O1"),
+    aliases=("16-mixed", "16", "fp16", "O1"),
 )
 
 
