@@ -95,8 +95,11 @@ class MixedPrecision:
         track_grad_norm: compute the gradient norm even when not clipping.
         skip_nonfinite: for recipes without a loss scaler, still skip steps whose gradients hold
             inf/NaN (a ``StaticLossScaler(1.0)``; one host sync per step with unfused optimizers).
+        nan_guard: attach ``mixprec.nan_guard`` to the model in ``prepare``: True (mode "raise"), a
+            mode ("raise", "warn", "record") or a dict of its options. Off (False) adds no hooks.
 
-    Attributes: ``recipe`` (with ``recipe.reason``), ``device``, ``policy``, ``scaler``.
+    Attributes: ``recipe`` (with ``recipe.reason``), ``device``, ``policy``, ``scaler``, ``guard``
+    (the ``NanGuard`` after ``prepare`` when ``nan_guard`` is on, else None).
     """
 
     def __init__(
@@ -109,6 +112,7 @@ class MixedPrecision:
         accumulate: int = 1,
         track_grad_norm: bool = False,
         skip_nonfinite: bool = False,
+        nan_guard: bool | str | dict[str, Any] = False,
     ) -> None:
         self.device = as_device(device)
         self.recipe = resolve_recipe(recipe, self.device)
@@ -118,6 +122,8 @@ class MixedPrecision:
         self.track_grad_norm = track_grad_norm
         self.fp32_modules = tuple(fp32_modules)
         self.scaler = self._make_scaler(scaler, skip_nonfinite)
+        self.nan_guard = nan_guard
+        self.guard = None
         self._micro = 0
         self._steps = 0
         self._loss_sum: torch.Tensor | None = None
@@ -178,6 +184,13 @@ class MixedPrecision:
         elif self.fp32_modules:
             keep_fp32(model, self.fp32_modules, self.device.type)
         model._mixprec_recipe = self.recipe.name  # type: ignore[attr-defined]
+        if self.nan_guard:
+            from mixprec.diagnostics.guard import NanGuard  # a tool: imported only when asked for
+
+            # attached last, so its hooks see the islands' casts; the scaler tells it which
+            # backward overflows are the scaler's own probing (reported, never raised)
+            self.guard = NanGuard.from_flag(model, self.nan_guard, scaler=self.scaler)
+            self.guard.attach()
         return model
 
     def _check_params(self, model: nn.Module) -> None:
