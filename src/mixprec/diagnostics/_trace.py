@@ -1,0 +1,476 @@
+"""Watching a model run: which module and op made each tensor, and the range of every tensor.
+
+Shared by the NaN guard and the activation-range probe. A ``Tracer`` attaches to a model:
+
+- forward pre/post hooks on every submodule keep a stack of module calls, so any op can be named
+  by the innermost module running it (the post hook is ``always_call`` so the stack survives
+  exceptions);
+- a ``TorchFunctionMode`` sees every torch call inside the forward (``q @ k.transpose(-2, -1)``
+  in an attention module's body included) and records the range of its inputs and outputs;
+- hooks on the autograd nodes those ops created record the gradients flowing through them in
+  backward (a node hook sees the gradient that came in and the one going out, without wrapping
+  tensors the way ``register_full_backward_hook`` does, so in-place ops keep working).
+
+Ranges are ``torch.aminmax`` results left on the device; ``StatsBuffer.read`` fetches them all in
+one transfer, so a guarded step costs one host sync per check instead of one per tensor. NaN
+propagates through min and max and an infinity shows up as one of them, so one pass per tensor
+gives both the range and the finiteness.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+import sys
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+# Ops that cannot create a non-finite value from finite inputs (views, metadata, copies of
+# layout) or whose output is uninitialised memory (empty*): never checked. Keeping the forward
+# cheap matters: these are a large share of the calls in a transformer.
+_PASS_THROUGH = frozenset(
+    """__get__ __set__ size dim numel stride storage_offset data_ptr is_floating_point is_complex
+    is_contiguous __len__ __bool__ __format__ __repr__ __iter__ __hash__ __index__ __int__ __float__
+    item tolist requires_grad_ retain_grad register_hook backward view view_as reshape reshape_as
+    transpose permute t mT T split split_with_sizes chunk unbind tensor_split __getitem__ __setitem__
+    expand expand_as contiguous flatten unflatten squeeze unsqueeze detach detach_ narrow select
+    movedim moveaxis as_strided unfold diagonal repeat_interleave broadcast_to broadcast_tensors
+    empty empty_like empty_strided new_empty new_empty_strided type_as cpu cuda pin_memory
+    __reduce_ex__ __deepcopy__ __setstate__ untyped_storage _typed_storage""".split()
+)
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_MIXPREC_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_TASKS_DIR = os.path.join(_MIXPREC_DIR, "tasks")  # the built-in task is user code for this purpose
+
+
+def op_name(func: Any) -> str:
+    """A short readable name: ``Tensor.__matmul__`` -> ``matmul``, ``__truediv__`` -> ``div``."""
+    name = getattr(func, "__name__", None) or str(func)
+    name = name.strip("_")
+    return {"truediv": "div", "rtruediv": "rdiv", "itruediv": "div_", "iadd": "add_", "isub": "sub_",
+            "imul": "mul_", "rpow": "pow", "rmul": "mul", "radd": "add"}.get(name, name)
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorRange:
+    """What a tensor held: dtype, shape, smallest and largest value (NaN when it held a NaN)."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    min: float
+    max: float
+
+    @property
+    def nan(self) -> bool:
+        return math.isnan(self.min) or math.isnan(self.max)
+
+    @property
+    def inf(self) -> bool:
+        """Holds an infinity (unknown, reported False, when it also holds a NaN)."""
+        return not self.nan and (math.isinf(self.min) or math.isinf(self.max))
+
+    @property
+    def finite(self) -> bool:
+        return not (self.nan or self.inf)
+
+    @property
+    def absmax(self) -> float:
+        return float("nan") if self.nan else max(abs(self.min), abs(self.max))
+
+    def __str__(self) -> str:
+        from mixprec.formats import get_format
+
+        try:
+            dt = get_format(self.dtype).name
+        except ValueError:
+            dt = str(self.dtype).removeprefix("torch.")
+        shape = "x".join(map(str, self.shape)) or "scalar"
+        if self.nan:
+            return f"{dt}[{shape}] holding NaN"
+        return f"{dt}[{shape}] in [{self.min:.4g}, {self.max:.4g}]"
+
+
+class StatsBuffer:
+    """min/max of many tensors, computed where they live and read back in one transfer.
+
+    ``add`` returns an index. A tensor already measured (same object, same version counter) is
+    not measured again: a module's input is usually the previous op's output.
+    """
+
+    def __init__(self, finite_only: bool = False) -> None:
+        self.finite_only = finite_only  # ranges of the finite values only: (0, largest finite |x|)
+        self._vals: list[torch.Tensor] = []
+        self._meta: list[tuple[torch.dtype, tuple[int, ...]]] = []
+        self._cache: dict[int, tuple[weakref.ref, int, int]] = {}
+
+    def __len__(self) -> int:
+        return len(self._meta)
+
+    def add(self, t: torch.Tensor, cache: bool = True) -> int | None:
+        if t.numel() == 0 or t.is_sparse or t.is_complex():
+            return None
+        key = id(t)
+        version = -1
+        if cache:
+            try:
+                version = t._version
+            except RuntimeError:  # inference tensors have no version counter
+                cache = False
+            hit = self._cache.get(key) if cache else None
+            if hit is not None and hit[0]() is t and hit[1] == version:
+                return hit[2]
+        if self.finite_only:
+            hi = torch.nan_to_num(t.detach().abs(), nan=0.0, posinf=0.0).amax()
+            lo = torch.zeros_like(hi)
+        else:
+            lo, hi = torch.aminmax(t.detach())  # detach, not no_grad(): a context costs more than the op here
+        idx = len(self._meta)
+        self._vals.append(lo)
+        self._vals.append(hi)
+        self._meta.append((t.dtype, tuple(t.shape)))
+        if cache:
+            self._cache[key] = (weakref.ref(t), version, idx)
+        return idx
+
+    def read(self) -> list[TensorRange]:
+        """Every range added so far, in order (the one host sync), and empty the buffer."""
+        vals, meta = self._vals, self._meta
+        self._vals, self._meta, self._cache = [], [], {}
+        if not meta:
+            return []
+        devices = {v.device for v in vals}
+        if len(devices) == 1:
+            # stack promotes to the widest dtype present: 16-bit values, inf and NaN survive exactly
+            flat = torch.stack(vals).cpu().tolist()
+        else:
+            flat = [0.0] * len(vals)
+            for dev in devices:
+                idxs = [i for i, v in enumerate(vals) if v.device == dev]
+                for i, v in zip(idxs, torch.stack([vals[i] for i in idxs]).cpu().tolist()):
+                    flat[i] = v
+        return [TensorRange(dt, shape, flat[2 * i], flat[2 * i + 1]) for i, (dt, shape) in enumerate(meta)]
+
+
+def floating_tensors(obj: Any, skip_keys: tuple[str, ...] = ()) -> Iterator[torch.Tensor]:
+    """Floating-point tensors in a nest of tuples, lists and dicts."""
+    if isinstance(obj, torch.Tensor):
+        if obj.is_floating_point():
+            yield obj
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from floating_tensors(v)
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            if k not in skip_keys:
+                yield from floating_tensors(v)
+
+
+def _scalar_flags(obj: Any) -> tuple[bool, bool]:
+    """(NaN, inf) among the Python floats of an op's arguments: ``masked_fill(m, -inf)`` asks for inf."""
+    nan = inf = False
+    stack = [obj]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, float):
+            nan |= math.isnan(v)
+            inf |= math.isinf(v)
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v)
+        elif isinstance(v, dict):
+            stack.extend(v.values())
+    return nan, inf
+
+
+@dataclasses.dataclass(eq=False)
+class ModuleCall:
+    """One call of one module (identity matters: the same module called twice is two calls)."""
+
+    name: str
+    type: str
+    parent: "ModuleCall | None"
+    serial: int
+
+    def ancestors(self) -> Iterator["ModuleCall"]:
+        c: ModuleCall | None = self
+        while c is not None:
+            yield c
+            c = c.parent
+
+
+class Record(NamedTuple):
+    """One observation: an op (``op`` set), a module call (``op`` None) or a backward node (``node`` set).
+
+    ``inputs``/``outputs`` index the ``StatsBuffer``; in backward, inputs are the gradients that
+    came in (w.r.t. the op's outputs) and outputs those going out (w.r.t. its inputs).
+    """
+
+    phase: str
+    call: ModuleCall | None
+    op: str | None
+    node: str | None
+    inputs: tuple[int | None, ...]
+    outputs: tuple[int | None, ...]
+    scalar_nan: bool
+    scalar_inf: bool
+    where: str | None
+
+
+class _OpMode(TorchFunctionMode):
+    def __init__(self, tracer: "Tracer") -> None:
+        super().__init__()
+        self.tracer = tracer
+
+    def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        tr = self.tracer
+        name = op_name(func)
+        if tr.busy or name in _PASS_THROUGH:
+            return func(*args, **kwargs)
+        call = tr.stack[-1] if tr.stack else None
+        if call is None and not (tr.outside_modules and torch.is_grad_enabled()):
+            return func(*args, **kwargs)
+        ins = list(floating_tensors((args, kwargs), skip_keys=("out",)))
+        in_idx = tuple(tr.stats.add(t) for t in ins)  # before the op: in-place ops overwrite them
+        out = func(*args, **kwargs)
+        outs = list(floating_tensors(out))
+        if not outs:
+            return out
+        out_idx = tuple(tr.stats.add(t) for t in outs)
+        sn, si = _scalar_flags((args, kwargs))
+        where = tr.locate() if tr.locate_ops else None
+        tr.records.append(Record("forward", call, name, None, in_idx, out_idx, sn, si, where))
+        if tr.backward:
+            for t in outs:
+                if t.grad_fn is not None:
+                    tr.adopt(t.grad_fn, call, name, where)
+        return out
+
+
+class Tracer:
+    """Hooks a model so every op and module call in its forward (and backward) is recorded.
+
+    Args:
+        model: the module to watch (all its submodules are hooked).
+        ops: watch individual torch calls with a ``TorchFunctionMode`` (else module outputs only).
+        backward: hook the autograd nodes created in the forward.
+        outside_modules: also record ops run outside the model while the mode is active (a loss
+            computed in a ``with`` block), as long as grad mode is on (so optimizer steps are not).
+        locate_ops: note the source line of each op (file:line in function).
+        finite_only: measure the largest finite magnitude instead of the range (ignores the -inf of a mask).
+        on_forward_end / on_backward_start / on_backward_end: callbacks (the guard's checks).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        ops: bool = True,
+        backward: bool = True,
+        outside_modules: bool = False,
+        locate_ops: bool = True,
+        finite_only: bool = False,
+        on_forward_end: Callable[[], None] | None = None,
+        on_backward_start: Callable[[], None] | None = None,
+        on_backward_end: Callable[[], None] | None = None,
+    ) -> None:
+        self.model = model
+        self.ops = ops
+        self.backward = backward
+        self.outside_modules = outside_modules
+        self.locate_ops = locate_ops
+        self.on_forward_end = on_forward_end
+        self.on_backward_start = on_backward_start
+        self.on_backward_end = on_backward_end
+        self.stats = StatsBuffer(finite_only)
+        self.records: list[Record] = []
+        self.stack: list[ModuleCall] = []
+        self.busy = False
+        self.forward_calls = 0  # completed calls of the root module
+        self._pending_inputs: list[tuple[int | None, ...]] = []
+        self._handles: list[Any] = []
+        self._node_handles: list[Any] = []
+        self._nodes: list[Any] = []  # strong refs: ids in _seen stay unique while we hold them
+        self._seen: set[int] = set()
+        self._mode: _OpMode | None = None
+        self._scope_depth = 0
+        self._in_backward = False
+        self._serial = 0
+        self._names: dict[int, tuple[str, str]] = {}
+
+    # ------------------------------------------------------------------ attach / detach
+
+    @property
+    def attached(self) -> bool:
+        return bool(self._handles)
+
+    def attach(self) -> "Tracer":
+        if self.attached:
+            return self
+        for name, m in self.model.named_modules():
+            self._names[id(m)] = (name, type(m).__name__)
+            self._handles.append(m.register_forward_pre_hook(self._pre, with_kwargs=True))
+            self._handles.append(m.register_forward_hook(self._post, with_kwargs=True, always_call=True))
+        return self
+
+    def detach(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self._release_nodes()
+        if self._mode is not None and self._scope_depth == 0:
+            self._exit_mode()
+
+    def _release_nodes(self) -> None:
+        for h in self._node_handles:
+            h.remove()
+        self._node_handles, self._nodes, self._seen = [], [], set()
+
+    # ------------------------------------------------------------------ op scope
+
+    def _enter_mode(self) -> None:
+        if self.ops and self._mode is None:
+            self._mode = _OpMode(self)
+            self._mode.__enter__()
+
+    def _exit_mode(self) -> None:
+        if self._mode is not None:
+            mode, self._mode = self._mode, None
+            mode.__exit__(None, None, None)
+
+    def enter_scope(self) -> None:
+        """Watch ops from now on, inside and outside the model (the ``with nan_guard(...)`` block)."""
+        self._scope_depth += 1
+        self._enter_mode()
+
+    def exit_scope(self) -> None:
+        self._scope_depth -= 1
+        if self._scope_depth == 0:
+            self._exit_mode()
+
+    # ------------------------------------------------------------------ module hooks
+
+    def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        name, typ = self._names.get(id(module), (type(module).__name__, type(module).__name__))
+        root = not self.stack
+        if root and module is self.model:
+            self._release_nodes()  # a new forward: the previous graph's node hooks are done with
+            self._enter_mode()
+        self._serial += 1
+        call = ModuleCall(name, typ, self.stack[-1] if self.stack else None, self._serial)
+        self.busy = True
+        try:
+            self._pending_inputs.append(tuple(self.stats.add(t) for t in floating_tensors((args, kwargs))))
+        finally:
+            self.busy = False
+        self.stack.append(call)
+
+    def _post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if not self.stack:
+            return
+        call = self.stack.pop()
+        in_idx = self._pending_inputs.pop()
+        self.busy = True
+        try:
+            outs = list(floating_tensors(output))
+            out_idx = tuple(self.stats.add(t) for t in outs)
+            if outs:
+                self.records.append(Record("forward", call, None, None, in_idx, out_idx, False, False, None))
+            if self.backward:
+                for t in outs:
+                    if t.grad_fn is not None:
+                        self.adopt(t.grad_fn, call, None, None)
+        finally:
+            self.busy = False
+        if not self.stack and module is self.model:
+            self.forward_calls += 1
+            if self._scope_depth == 0:
+                self._exit_mode()
+            if output is not None and self.on_forward_end is not None:
+                self.on_forward_end()
+
+    # ------------------------------------------------------------------ backward
+
+    def adopt(self, node: Any, call: ModuleCall | None, op: str | None, where: str | None) -> None:
+        """Hook ``node`` and the nodes behind it not seen yet: those were made by this op (or module)."""
+        todo = [node]
+        while todo:
+            n = todo.pop()
+            if n is None or id(n) in self._seen:
+                continue
+            self._seen.add(id(n))
+            self._nodes.append(n)
+            if type(n).__name__ == "AccumulateGrad":
+                continue  # a leaf's .grad: the gradient reaching it was already seen leaving its consumer
+            info = (call, op, n.name(), where)
+            self._node_handles.append(n.register_hook(functools.partial(self._on_node, info)))
+            todo.extend(f for f, _ in n.next_functions)
+
+    def _on_node(self, info: tuple, grad_inputs: tuple, grad_outputs: tuple) -> None:
+        if not self._handles:
+            return
+        if not self._in_backward:
+            self._in_backward = True
+            if self.on_backward_start is not None:
+                self.on_backward_start()
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        call, op, node, where = info
+        busy, self.busy = self.busy, True  # an op mode may be live in backward: keep our ops out of it
+        try:
+            # The gradient coming in is usually the very tensor an earlier node sent out: cached.
+            # (Were the engine to accumulate into it in place without a version bump, the stale
+            # range could only mislead after the first producer, which is all we report.)
+            gin = tuple(self.stats.add(g) for g in grad_outputs if _is_float(g))
+            gout = tuple(self.stats.add(g) for g in grad_inputs if _is_float(g))
+        finally:
+            self.busy = busy
+        if gout:
+            self.records.append(Record("backward", call, op, node, gin, gout, False, False, where))
+
+    def _end_backward(self) -> None:
+        self._in_backward = False
+        if self.on_backward_end is not None:
+            self.on_backward_end()
+
+    # ------------------------------------------------------------------ reading
+
+    def take(self) -> tuple[list[Record], list[TensorRange]]:
+        """The records so far and the ranges they index (one host sync); both start afresh."""
+        records, self.records = self.records, []
+        busy, self.busy = self.busy, True
+        try:
+            return records, self.stats.read()
+        finally:
+            self.busy = busy
+
+    @staticmethod
+    def locate() -> str | None:
+        """``file.py:LINE in function`` of the innermost caller outside torch and mixprec."""
+        f = sys._getframe(2)
+        while f is not None:
+            fn = f.f_code.co_filename
+            if not fn.startswith(_TORCH_DIR) and (not fn.startswith(_MIXPREC_DIR) or fn.startswith(_TASKS_DIR)):
+                return f"{os.path.basename(fn)}:{f.f_lineno} in {f.f_code.co_name}"
+            f = f.f_back
+        return None
+
+
+def _is_float(g: Any) -> bool:
+    return isinstance(g, torch.Tensor) and g.is_floating_point()
+
+
+def hook_count(model: nn.Module) -> int:
+    """Hooks of every kind registered on ``model`` and its submodules (0 means untouched)."""
+    total = 0
+    for m in model.modules():
+        for attr in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
+                     "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks_with_kwargs"):
+            total += len(getattr(m, attr, {}) or {})
+    return total
