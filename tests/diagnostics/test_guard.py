@@ -271,3 +271,40 @@ def test_event_description_names_place_dtype_and_input_range():
     assert "f16[8x2x12x12] holding inf" in text
     assert "inputs: f16[8x2x12x16] in [" in text
     assert "matmul-overflow" in text and "fix:" in text
+
+
+@pytest.mark.cuda
+def test_guard_names_the_attention_overflow_on_cuda_in_fp16():
+    task = zoo.make_attention_overflow()
+    torch.manual_seed(0)
+    model = task.build_model().cuda()
+    mp = mixprec.MixedPrecision("fp16-mixed", "cuda")
+    mp.prepare(model)
+    x, y = (t.cuda() for t in task.get_batch(0))
+    with nan_guard(model, "record", scaler=mp.scaler) as g:
+        with mp.autocast():
+            task.loss_fn(model(x), y)
+    assert (g.first.module, g.first.op, g.first.kind, g.first.cause.code) == ("attn", "matmul", "inf", "matmul-overflow")
+
+
+@pytest.mark.cuda
+def test_tracer_adds_no_host_sync_per_op_or_node_on_cuda():
+    from mixprec.diagnostics._trace import Tracer
+
+    task = load_task(None, batch_size=4, seq_len=32)
+    torch.manual_seed(0)
+    model = task.build_model().cuda()
+    x, y = (t.cuda() for t in task.get_batch(0))
+    tracer = Tracer(model, outside_modules=True).attach()  # no checks: nothing reads the device
+    tracer.enter_scope()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        task.loss_fn(model(x), y).backward()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+        tracer.exit_scope()
+        tracer.detach()
+    records, ranges = tracer.take()  # the one sync
+    assert len(records) > 50 and any(r.phase == "backward" for r in records)
+    assert not any(r.nan for r in ranges) and any(r.inf for r in ranges)  # the causal mask's -inf

@@ -112,15 +112,14 @@ class SmallActivationNet(nn.Module):
         return self.head(self.norm(self.proj(x)))
 
 
+def _classifier(name: str, build, n_in: int, classes: int, seed: int, description: str) -> Task:
+    return Task(name=name, build_model=build, get_batch=_batches(n_in, classes, 32, seed=seed),
+                loss_fn=F.cross_entropy, steps=20, description=description)
+
+
 def make_tiny_variance_norm() -> Task:
-    return Task(
-        name="zoo-tiny-variance-norm",
-        build_model=SmallActivationNet,
-        get_batch=_batches(16, 8, 32, seed=2),
-        loss_fn=F.cross_entropy,
-        steps=20,
-        description="a hand-written LayerNorm (eps=1e-12) over activations ~1e-5: variance underflows in fp16",
-    )
+    return _classifier("zoo-tiny-variance-norm", SmallActivationNet, 16, 8, 2,
+                       "a hand-written LayerNorm (eps=1e-12) over activations ~1e-5: variance underflows in fp16")
 
 
 # ---------------------------------------------------------------- attention logits past 65504
@@ -227,25 +226,14 @@ class NanEverywhere(nn.Module):
 
 
 def make_nan_in_fp32() -> Task:
-    return Task(
-        name="zoo-nan-in-fp32",
-        build_model=NanEverywhere,
-        get_batch=_batches(16, 4, 32, seed=5),
-        loss_fn=F.cross_entropy,
-        steps=20,
-        description="sqrt of a negative number: NaN in fp32 too (not a precision fault)",
-    )
+    return _classifier("zoo-nan-in-fp32", NanEverywhere, 16, 4, 5,
+                       "sqrt of a negative number: NaN in fp32 too (not a precision fault)")
 
 
 # ---------------------------------------------------------------- healthy
 
 
 def make_healthy_mlp() -> Task:
-    return Task(
-        name="zoo-healthy-mlp",
-        build_model=lambda: nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.GELU(), nn.Linear(32, 4)),
-        get_batch=_batches(16, 4, 32, seed=6),
-        loss_fn=F.cross_entropy,
-        steps=20,
-        description="a small healthy MLP",
-    )
+    return _classifier("zoo-healthy-mlp",
+                       lambda: nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.GELU(), nn.Linear(32, 4)),
+                       16, 4, 6, "a small healthy MLP")

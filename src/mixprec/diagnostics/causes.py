@@ -49,9 +49,10 @@ def _touches_zero(r: "TensorRange | None") -> bool:
 
 
 def _island_fix(event: "NonFiniteEvent") -> str:
-    target = event.module or "the model"
+    if event.module is None:
+        return "run it in fp32: cast its inputs with .float() outside mp.autocast()"
     return (f"run it in fp32: MixedPrecision(..., fp32_modules=[{event.module_type!r}]) or "
-            f"mixprec.keep_fp32(model, [{target!r}])")
+            f"mixprec.keep_fp32(model, [{event.module or event.module_type!r}])")
 
 
 def explain(event: "NonFiniteEvent") -> Cause:
@@ -98,7 +99,7 @@ def explain(event: "NonFiniteEvent") -> Cause:
             extra = f" ({fmt} flushed small positive values to 0)" if sixteen else ""
             return Cause("log-of-zero", f"log(0) = -inf: its input reached {first.min:.3g}{extra}",
                          "use log_softmax / F.cross_entropy instead of log(softmax(x)), or clamp: log(x.clamp_min(tiny)); "
-                         "compute the loss in fp32: " + _island_fix(event))
+                         "or " + _island_fix(event))
     if op in RSQRT_OPS and _touches_zero(first):
         return Cause("division-by-zero", f"rsqrt(0) = inf: its input reached {first.min:.3g}",  # type: ignore[union-attr]
                      "add eps before the rsqrt, in fp32 if the value is a variance")

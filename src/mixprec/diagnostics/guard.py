@@ -208,7 +208,7 @@ def find_producer(
 
 
 class NanGuard:
-    """Watches a model for NaN/Inf, forward and backward; see ``nan_guard``.
+    """Watches a model for NaN/Inf, forward and backward; ``nan_guard`` documents the arguments.
 
     Attributes:
         events: what the checks found, oldest first (one per checked pass at most).
@@ -361,22 +361,15 @@ class NanGuard:
         return "\n\n".join(e.describe() for e in self.events[:5])
 
 
-def nan_guard(
-    model: nn.Module,
-    mode: Mode = "raise",
-    *,
-    allow: Sequence[str | AllowRule] = (),
-    ops: bool = True,
-    backward: bool = True,
-    scaler: Any = None,
-    locate: bool = True,
-) -> NanGuard:
+def nan_guard(model: nn.Module, mode: Mode = "raise", **options: Any) -> NanGuard:
     """A context manager that names the first module/op producing NaN or Inf, forward and backward.
 
     Args:
         model: the module to watch (with all its submodules).
         mode: "raise" a ``NonFiniteError`` at the first check that finds one, "warn"
             (``NonFiniteWarning``, once per place), or "record" (``guard.events`` only).
+
+    Options (keyword arguments of ``NanGuard``):
         allow: intentional infinities: an op name (``"add"``), a module glob followed by a colon
             (``"blocks.*.mask:"``) or both (``"blocks.*:add"``); or ``AllowRule`` for NaN too.
             Infinities passed in as values (``masked_fill(m, -inf)``) need no entry.
@@ -394,4 +387,4 @@ def nan_guard(
     >>> guard.first.module, guard.first.op, guard.first.kind
     (None, 'log', 'nan')
     """
-    return NanGuard(model, mode, allow=allow, ops=ops, backward=backward, scaler=scaler, locate=locate)
+    return NanGuard(model, mode, **options)
