@@ -142,6 +142,18 @@ def test_guard_names_the_backward_producer_and_its_node():
     assert ev.cause.code == "sqrt-of-zero"
 
 
+def test_backward_through_two_forwards_watches_both_graphs():
+    net = nn.Sequential(nn.Linear(3, 3), SqrtAtZero(), nn.Linear(3, 1))
+    with torch.no_grad():
+        net[0].weight.fill_(-1.0)
+        net[0].bias.zero_()
+    with nan_guard(net, "record") as g:
+        bad = net(torch.ones(2, 3))  # relu(-3) = 0: sqrt's backward is inf here
+        fine = net(-torch.ones(2, 3))  # the second forward must not unhook the first graph
+        (bad.sum() + fine.sum()).backward()
+    assert (g.first.phase, g.first.module, g.first.op) == ("backward", "1", "sqrt")
+
+
 def test_guard_names_an_op_in_a_loss_computed_outside_the_model():
     net = nn.Linear(2, 2)
     with nan_guard(net, "record") as g:
@@ -261,7 +273,7 @@ def test_no_hooks_remain_after_the_context_and_the_module_stack_survives_excepti
         net(torch.ones(2, 4))
     assert g.first.module == "bad"
     assert hook_count(net) == before == 0
-    assert g._tracer._node_handles == [] and g._tracer._mode is None
+    assert g._tracer._node_handles == [] and g._tracer._mode is None and g._tracer._token == 0
 
 
 def test_event_description_names_place_dtype_and_input_range():

@@ -7,7 +7,6 @@ import math
 import pytest
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 import mixprec
 from mixprec.diagnostics import probe_activation_range, probe_grad_underflow, probe_update_vanishing

@@ -21,16 +21,19 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
+import itertools
 import os
 import sys
-import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
+
+from mixprec.diagnostics._stats import StatsBuffer, TensorRange, _is_float, _scalar_flags, floating_tensors
+
+__all__ = ["ModuleCall", "Record", "StatsBuffer", "TensorRange", "Tracer", "floating_tensors", "hook_count", "op_name"]
 
 # Ops that cannot create a non-finite value from finite inputs (views, metadata, copies of
 # layout) or whose output is uninitialised memory (empty*): never checked. Keeping the forward
@@ -59,7 +62,9 @@ _LAYOUT_NODES = frozenset(
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _MIXPREC_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _TASKS_DIR = os.path.join(_MIXPREC_DIR, "tasks")  # the built-in task is user code for this purpose
-_USER_CODE: dict[Any, bool] = {}  # code object -> outside torch and mixprec? (a dict lookup per frame)
+_USER_CODE: dict[Any, bool] = {}
+_MARK = "mixprec.diagnostics"  # key in autograd nodes' metadata: the tracer attachment that hooked it
+_TOKENS = itertools.count(1)  # code object -> outside torch and mixprec? (a dict lookup per frame)
 
 
 def op_name(func: Any) -> str:
@@ -68,139 +73,6 @@ def op_name(func: Any) -> str:
     name = name.strip("_")
     return {"truediv": "div", "rtruediv": "rdiv", "itruediv": "div_", "iadd": "add_", "isub": "sub_",
             "imul": "mul_", "rpow": "pow", "rmul": "mul", "radd": "add"}.get(name, name)
-
-
-@dataclasses.dataclass(frozen=True)
-class TensorRange:
-    """What a tensor held: dtype, shape, smallest and largest value (NaN when it held a NaN)."""
-
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    min: float
-    max: float
-
-    @property
-    def nan(self) -> bool:
-        return math.isnan(self.min) or math.isnan(self.max)
-
-    @property
-    def inf(self) -> bool:
-        """Holds an infinity (unknown, reported False, when it also holds a NaN)."""
-        return not self.nan and (math.isinf(self.min) or math.isinf(self.max))
-
-    @property
-    def finite(self) -> bool:
-        return not (self.nan or self.inf)
-
-    @property
-    def absmax(self) -> float:
-        return float("nan") if self.nan else max(abs(self.min), abs(self.max))
-
-    def __str__(self) -> str:
-        from mixprec.formats import get_format
-
-        try:
-            dt = get_format(self.dtype).name
-        except ValueError:
-            dt = str(self.dtype).removeprefix("torch.")
-        shape = "x".join(map(str, self.shape)) or "scalar"
-        if self.nan:
-            return f"{dt}[{shape}] holding NaN"
-        return f"{dt}[{shape}] in [{self.min:.4g}, {self.max:.4g}]"
-
-
-class StatsBuffer:
-    """min/max of many tensors, computed where they live and read back in one transfer.
-
-    ``add`` returns an index. A tensor already measured (same object, same version counter) is
-    not measured again: a module's input is usually the previous op's output.
-    """
-
-    def __init__(self, finite_only: bool = False) -> None:
-        self.finite_only = finite_only  # ranges of the finite values only: (0, largest finite |x|)
-        self._vals: list[torch.Tensor] = []
-        self._meta: list[tuple[torch.dtype, tuple[int, ...]]] = []
-        self._cache: dict[int, tuple[weakref.ref, int, int]] = {}
-
-    def __len__(self) -> int:
-        return len(self._meta)
-
-    def add(self, t: torch.Tensor, cache: bool = True) -> int | None:
-        if t.numel() == 0 or t.is_sparse or t.is_complex():
-            return None
-        key = id(t)
-        version = -1
-        if cache:
-            try:
-                version = t._version
-            except RuntimeError:  # inference tensors have no version counter
-                cache = False
-            hit = self._cache.get(key) if cache else None
-            if hit is not None and hit[0]() is t and hit[1] == version:
-                return hit[2]
-        if self.finite_only:
-            hi = torch.nan_to_num(t.detach().abs(), nan=0.0, posinf=0.0).amax()
-            lo = torch.zeros_like(hi)
-        else:
-            lo, hi = torch.aminmax(t.detach())  # detach, not no_grad(): a context costs more than the op here
-        idx = len(self._meta)
-        self._vals.append(lo)
-        self._vals.append(hi)
-        self._meta.append((t.dtype, tuple(t.shape)))
-        if cache:
-            self._cache[key] = (weakref.ref(t), version, idx)
-        return idx
-
-    def read(self) -> list[TensorRange]:
-        """Every range added so far, in order (the one host sync), and empty the buffer."""
-        vals, meta = self._vals, self._meta
-        self._vals, self._meta, self._cache = [], [], {}
-        if not meta:
-            return []
-        devices = {v.device for v in vals}
-        if len(devices) == 1:
-            # stack promotes to the widest dtype present: 16-bit values, inf and NaN survive exactly
-            flat = torch.stack(vals).cpu().tolist()
-        else:
-            flat = [0.0] * len(vals)
-            for dev in devices:
-                idxs = [i for i, v in enumerate(vals) if v.device == dev]
-                for i, v in zip(idxs, torch.stack([vals[i] for i in idxs]).cpu().tolist()):
-                    flat[i] = v
-        return [TensorRange(dt, shape, flat[2 * i], flat[2 * i + 1]) for i, (dt, shape) in enumerate(meta)]
-
-
-def floating_tensors(obj: Any, skip_keys: tuple[str, ...] = ()) -> list[torch.Tensor]:
-    """Floating-point tensors in a nest of tuples, lists and dicts (a loop, not recursion: this
-    runs for every op)."""
-    out: list[torch.Tensor] = []
-    stack = [obj]
-    while stack:
-        v = stack.pop()
-        if isinstance(v, torch.Tensor):
-            if v.is_floating_point():
-                out.append(v)
-        elif isinstance(v, (list, tuple)):
-            stack.extend(reversed(v))
-        elif isinstance(v, dict):
-            stack.extend(reversed([x for k, x in v.items() if k not in skip_keys]))
-    return out
-
-
-def _scalar_flags(obj: Any) -> tuple[bool, bool]:
-    """(NaN, inf) among the Python floats of an op's arguments: ``masked_fill(m, -inf)`` asks for inf."""
-    nan = inf = False
-    stack = [obj]
-    while stack:
-        v = stack.pop()
-        if isinstance(v, float):
-            nan |= math.isnan(v)
-            inf |= math.isinf(v)
-        elif isinstance(v, (list, tuple)):
-            stack.extend(v)
-        elif isinstance(v, dict):
-            stack.extend(v.values())
-    return nan, inf
 
 
 @dataclasses.dataclass(eq=False)
@@ -311,8 +183,7 @@ class Tracer:
         self._pending_inputs: list[tuple[int | None, ...]] = []
         self._handles: list[Any] = []
         self._node_handles: list[Any] = []
-        self._nodes: list[Any] = []  # strong refs: ids in _seen stay unique while we hold them
-        self._seen: set[int] = set()
+        self._token = 0  # marks the nodes this attachment hooked (see adopt)
         self._mode: _OpMode | None = None
         self._scope_depth = 0
         self._in_backward = False
@@ -328,6 +199,7 @@ class Tracer:
     def attach(self) -> "Tracer":
         if self.attached:
             return self
+        self._token = next(_TOKENS)
         for name, m in self.model.named_modules():
             self._names[id(m)] = (name, type(m).__name__)
             self._handles.append(m.register_forward_pre_hook(self._pre, with_kwargs=True))
@@ -338,14 +210,12 @@ class Tracer:
         for h in self._handles:
             h.remove()
         self._handles = []
-        self._release_nodes()
-        if self._mode is not None and self._scope_depth == 0:
-            self._exit_mode()
-
-    def _release_nodes(self) -> None:
         for h in self._node_handles:
             h.remove()
-        self._node_handles, self._nodes, self._seen = [], [], set()
+        self._node_handles = []
+        self._token = 0  # hooks left on older graphs (handles already dropped) now do nothing
+        if self._mode is not None and self._scope_depth == 0:
+            self._exit_mode()
 
     # ------------------------------------------------------------------ op scope
 
@@ -375,7 +245,9 @@ class Tracer:
         name, typ = self._names.get(id(module), (type(module).__name__, type(module).__name__))
         root = not self.stack
         if root and module is self.model:
-            self._release_nodes()  # a new forward: the previous graph's node hooks are done with
+            # Earlier graphs keep their hooks (a backward through two forwards is watched) but we
+            # drop the handles, so a long run does not pile them up; detach disarms those hooks.
+            self._node_handles = []
             self._enter_mode()
         self._serial += 1
         call = ModuleCall(name, typ, self.stack[-1] if self.stack else None, self._serial)
@@ -417,28 +289,29 @@ class Tracer:
         todo = [node]
         while todo:
             n = todo.pop()
-            if n is None or id(n) in self._seen:
+            # The mark lives on the C++ node (its metadata dict), so it cannot be confused with
+            # another node the way a Python id of a short-lived wrapper could, and holds nothing alive.
+            if n is None or n.metadata.get(_MARK) == self._token:
                 continue
-            self._seen.add(id(n))
-            self._nodes.append(n)
+            n.metadata[_MARK] = self._token
             kind = type(n).__name__
             if kind == "AccumulateGrad":
                 continue  # a leaf's .grad: the gradient reaching it was already seen leaving its consumer
             todo.extend(f for f, _ in n.next_functions)
             if kind.rstrip("0123456789") in _LAYOUT_NODES:
                 continue
-            info = (call, op, n.name(), where)
+            info = (self._token, call, op, n.name(), where)
             self._node_handles.append(n.register_hook(functools.partial(self._on_node, info)))
 
     def _on_node(self, info: tuple, grad_inputs: tuple, grad_outputs: tuple) -> None:
-        if not self._handles:
-            return
+        if info[0] != self._token:
+            return  # hooked by an earlier attachment: disarmed
         if not self._in_backward:
             self._in_backward = True
             if self.on_backward_start is not None:
                 self.on_backward_start()
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-        call, op, node, where = info
+        _, call, op, node, where = info
         busy, self.busy = self.busy, True  # an op mode may be live in backward: keep our ops out of it
         try:
             # The gradient coming in is usually the very tensor an earlier node sent out: cached.
@@ -482,10 +355,6 @@ class Tracer:
                 return f"{os.path.basename(code.co_filename)}:{f.f_lineno} in {code.co_name}"
             f = f.f_back
         return None
-
-
-def _is_float(g: Any) -> bool:
-    return isinstance(g, torch.Tensor) and g.is_floating_point()
 
 
 def hook_count(model: nn.Module) -> int:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from torch import nn

@@ -148,6 +148,10 @@ class Overflow:
 class ScaleMonitor:
     """Watch a ``GradScaler``: diagnose its scale and attribute each overflow to parameters.
 
+    ``attach`` wraps the scaler's ``update`` (an instance attribute, so ``MixedPrecision.step``
+    and hand-written loops both go through it); ``detach`` restores it. Detach before pickling or
+    deep-copying the scaler.
+
     >>> import mixprec
     >>> net = torch.nn.Linear(2, 1); opt = torch.optim.SGD(net.parameters(), lr=0.1)
     >>> scaler = mixprec.GradScaler("cpu", init_scale=2.0**126)  # weight grads 10 * 2^126 overflow fp32
