@@ -45,7 +45,7 @@ _PASS_THROUGH = frozenset(
     transpose permute t mT T split split_with_sizes chunk unbind tensor_split __getitem__ __setitem__
     expand expand_as contiguous flatten unflatten squeeze unsqueeze detach detach_ narrow select
     movedim moveaxis as_strided unfold diagonal repeat_interleave broadcast_to broadcast_tensors
-    empty empty_like empty_strided new_empty new_empty_strided type_as cpu cuda pin_memory
+    empty empty_like empty_strided new_empty new_empty_strided cpu cuda pin_memory
     __reduce_ex__ __deepcopy__ __setstate__ untyped_storage _typed_storage""".split()
 )
 
@@ -62,9 +62,9 @@ _LAYOUT_NODES = frozenset(
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _MIXPREC_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _TASKS_DIR = os.path.join(_MIXPREC_DIR, "tasks")  # the built-in task is user code for this purpose
-_USER_CODE: dict[Any, bool] = {}
+_USER_CODE: dict[Any, bool] = {}  # code object -> outside torch and mixprec? (a dict lookup per frame)
 _MARK = "mixprec.diagnostics"  # key in autograd nodes' metadata: the tracer attachment that hooked it
-_TOKENS = itertools.count(1)  # code object -> outside torch and mixprec? (a dict lookup per frame)
+_TOKENS = itertools.count(1)
 
 
 def op_name(func: Any) -> str:

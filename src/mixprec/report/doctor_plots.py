@@ -42,10 +42,10 @@ def gradient_histogram_png(
     fig, (ax, ax2) = new_figure(2, 1, width=9.0, height=5.2, gridspec_kw={"height_ratios": [4, 1.3]}, sharex=True)
     for a, b, zone in ((lo, z0, "zero"), (z0, tiny, "subnormal"), (tiny, mx, "normal"), (mx, hi, "overflow")):
         ax.axvspan(a, b, color=_ZONES[zone], zorder=0, lw=0)
-    ax.text((lo + z0) / 2, 0.97, "f16: becomes 0", ha="center", va="top", fontsize=8, transform=ax.get_xaxis_transform())
-    ax.text((z0 + tiny) / 2, 0.97, "subnormal", ha="center", va="top", fontsize=8, transform=ax.get_xaxis_transform())
-    ax.text((tiny + mx) / 2, 0.97, "f16 normal range", ha="center", va="top", fontsize=8, transform=ax.get_xaxis_transform())
-    ax.text((mx + hi) / 2, 0.97, "inf", ha="center", va="top", fontsize=8, transform=ax.get_xaxis_transform())
+    for (a, b), label in (((lo, z0), "f16: becomes 0"), ((z0, tiny), "subnormal"), ((tiny, mx), "f16 normal range"),
+                          ((mx, hi), "inf")):
+        ax.text((a + b) / 2, 0.97, label, ha="center", va="top", fontsize=8, transform=ax.get_xaxis_transform(),
+                zorder=4, bbox={"facecolor": "white", "alpha": 0.75, "lw": 0, "pad": 1.5})
     xs = [lo_exponent + i for i in used]
     ys = [100.0 * counts[i] / total for i in used]
     ax.bar(xs, ys, width=1.0, align="edge", color="#5f6368", alpha=0.85, label="fp32 gradients (scale 1)", zorder=2)
