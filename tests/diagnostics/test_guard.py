@@ -139,6 +139,7 @@ def test_guard_names_the_backward_producer_and_its_node():
     assert (ev.phase, ev.module, ev.op, ev.kind) == ("backward", "1", "sqrt", "inf")
     assert ev.node.startswith("SqrtBackward")
     assert all(r.finite for r in ev.inputs)  # the gradient that came in was finite
+    assert "gradients in:" in ev.describe()
     assert ev.cause.code == "sqrt-of-zero"
 
 
@@ -248,6 +249,17 @@ def test_mixed_precision_flag_attaches_the_guard_and_off_adds_no_hooks():
     mp.guard.detach()
     assert hook_count(model) == baseline
     assert mixprec.MixedPrecision("fp32", "cpu", nan_guard=False).guard is None
+
+
+def test_flag_guard_says_a_non_finite_gradient_came_from_a_loss_outside_the_model():
+    mp = mixprec.MixedPrecision("fp32", "cpu", nan_guard="record")
+    net = mp.prepare(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1)))
+    out = net(torch.ones(3, 2))
+    loss = (out - out.detach()).log().sum()  # log(0) outside the model: the guard does not watch it
+    mp.step(loss, torch.optim.SGD(net.parameters(), lr=0.1))
+    ev = mp.guard.first
+    assert (ev.phase, ev.origin, ev.module) == ("backward", "input", "1")
+    assert ev.cause.code == "nonfinite-gradient-from-loss"
 
 
 def test_mixed_precision_flag_accepts_a_mode_or_options_and_rejects_other_values():

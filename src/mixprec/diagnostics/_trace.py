@@ -63,8 +63,12 @@ _TORCH_DIR = os.path.dirname(torch.__file__)
 _MIXPREC_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _TASKS_DIR = os.path.join(_MIXPREC_DIR, "tasks")  # the built-in task is user code for this purpose
 _USER_CODE: dict[Any, bool] = {}  # code object -> outside torch and mixprec? (a dict lookup per frame)
-_MARK = "mixprec.diagnostics"  # key in autograd nodes' metadata: the tracer attachment that hooked it
+_MARK = "mixprec.diagnostics"  # prefix of our keys in autograd nodes' metadata
 _TOKENS = itertools.count(1)
+
+# Our own tensor calls in hooks must not go through the op mode: they would be recorded, and each
+# pass through a Python mode costs microseconds (hooks run while the mode is live).
+_quiet = torch._C.DisableTorchFunction
 
 
 def op_name(func: Any) -> str:
@@ -109,6 +113,17 @@ class Record(NamedTuple):
     where: str | None
 
 
+class _NodeInfo:
+    """What the tracer knows of an autograd node; kept in the node's metadata (no reference back
+    to the node, so no cycle keeps a graph alive)."""
+
+    __slots__ = ("token", "call", "op", "node", "where", "consumed")
+
+    def __init__(self, token: int, call: ModuleCall | None, op: str | None, node: str, where: str | None) -> None:
+        self.token, self.call, self.op, self.node, self.where = token, call, op, node, where
+        self.consumed = False
+
+
 class _OpMode(TorchFunctionMode):
     def __init__(self, tracer: "Tracer") -> None:
         super().__init__()
@@ -118,7 +133,7 @@ class _OpMode(TorchFunctionMode):
         kwargs = kwargs or {}
         tr = self.tracer
         name = op_name(func)
-        if tr.busy or name in _PASS_THROUGH:
+        if name in _PASS_THROUGH:
             return func(*args, **kwargs)
         call = tr.stack[-1] if tr.stack else None
         if call is None and not (tr.outside_modules and torch.is_grad_enabled()):
@@ -178,12 +193,12 @@ class Tracer:
         self.stats = StatsBuffer(finite_only)
         self.records: list[Record] = []
         self.stack: list[ModuleCall] = []
-        self.busy = False
         self.forward_calls = 0  # completed calls of the root module
         self._pending_inputs: list[tuple[int | None, ...]] = []
         self._handles: list[Any] = []
         self._node_handles: list[Any] = []
-        self._token = 0  # marks the nodes this attachment hooked (see adopt)
+        self._token = 0  # this attachment; its key marks the nodes it hooked (see adopt)
+        self._key = ""
         self._mode: _OpMode | None = None
         self._scope_depth = 0
         self._in_backward = False
@@ -200,6 +215,7 @@ class Tracer:
         if self.attached:
             return self
         self._token = next(_TOKENS)
+        self._key = f"{_MARK}.{self._token}"  # one key per attachment: two tracers never share marks
         for name, m in self.model.named_modules():
             self._names[id(m)] = (name, type(m).__name__)
             self._handles.append(m.register_forward_pre_hook(self._pre, with_kwargs=True))
@@ -251,11 +267,8 @@ class Tracer:
             self._enter_mode()
         self._serial += 1
         call = ModuleCall(name, typ, self.stack[-1] if self.stack else None, self._serial)
-        self.busy = True
-        try:
+        with _quiet():
             self._pending_inputs.append(tuple(self.stats.add(t) for t in floating_tensors((args, kwargs))))
-        finally:
-            self.busy = False
         self.stack.append(call)
 
     def _post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
@@ -263,9 +276,8 @@ class Tracer:
             return
         call = self.stack.pop()
         in_idx = self._pending_inputs.pop()
-        self.busy = True
-        try:
-            outs = list(floating_tensors(output))
+        with _quiet():
+            outs = floating_tensors(output)
             out_idx = tuple(self.stats.add(t) for t in outs)
             if outs:
                 self.records.append(Record("forward", call, None, None, in_idx, out_idx, False, False, None))
@@ -273,8 +285,6 @@ class Tracer:
                 for t in outs:
                     if t.grad_fn is not None:
                         self.adopt(t.grad_fn, call, None, None)
-        finally:
-            self.busy = False
         if not self.stack and module is self.model:
             self.forward_calls += 1
             if self._scope_depth == 0:
@@ -286,43 +296,45 @@ class Tracer:
 
     def adopt(self, node: Any, call: ModuleCall | None, op: str | None, where: str | None) -> None:
         """Hook ``node`` and the nodes behind it not seen yet: those were made by this op (or module)."""
-        todo = [node]
+        todo = [(node, False)]
         while todo:
-            n = todo.pop()
+            n, via_edge = todo.pop()
+            if n is None:
+                continue
             # The mark lives on the C++ node (its metadata dict), so it cannot be confused with
             # another node the way a Python id of a short-lived wrapper could, and holds nothing alive.
-            if n is None or n.metadata.get(_MARK) == self._token:
+            meta = n.metadata
+            mark = meta.get(self._key)
+            if mark is not None:
+                if via_edge:  # a watched op uses this node's output: its gradient comes from us
+                    mark.consumed = True
                 continue
-            n.metadata[_MARK] = self._token
             kind = type(n).__name__
             if kind == "AccumulateGrad":
                 continue  # a leaf's .grad: the gradient reaching it was already seen leaving its consumer
-            todo.extend(f for f, _ in n.next_functions)
-            if kind.rstrip("0123456789") in _LAYOUT_NODES:
-                continue
-            info = (self._token, call, op, n.name(), where)
-            self._node_handles.append(n.register_hook(functools.partial(self._on_node, info)))
+            info = meta[self._key] = _NodeInfo(self._token, call, op, n.name(), where)
+            todo.extend((f, True) for f, _ in n.next_functions)
+            if kind.rstrip("0123456789") not in _LAYOUT_NODES:
+                self._node_handles.append(n.register_hook(functools.partial(self._on_node, info)))
 
-    def _on_node(self, info: tuple, grad_inputs: tuple, grad_outputs: tuple) -> None:
-        if info[0] != self._token:
+    def _on_node(self, info: "_NodeInfo", grad_inputs: tuple, grad_outputs: tuple) -> None:
+        if info.token != self._token:
             return  # hooked by an earlier attachment: disarmed
         if not self._in_backward:
             self._in_backward = True
             if self.on_backward_start is not None:
                 self.on_backward_start()
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-        _, call, op, node, where = info
-        busy, self.busy = self.busy, True  # an op mode may be live in backward: keep our ops out of it
-        try:
-            # The gradient coming in is usually the very tensor an earlier node sent out: cached.
-            # (Were the engine to accumulate into it in place without a version bump, the stale
-            # range could only mislead after the first producer, which is all we report.)
-            gin = tuple(self.stats.add(g) for g in grad_outputs if _is_float(g))
+        with _quiet():  # an op mode may be live in backward: keep our own ops out of it
+            # The gradient coming into a node that watched ops consume is what their nodes sent
+            # out, already measured (or their sum): measuring it again would double the cost of
+            # backward. Only gradients arriving from outside (the loss) are measured on the way in.
+            # (A sum of finite gradients that overflows then blames this node: it is the node whose
+            # output gradient went bad.)
+            gin = () if info.consumed else tuple(self.stats.add(g) for g in grad_outputs if _is_float(g))
             gout = tuple(self.stats.add(g) for g in grad_inputs if _is_float(g))
-        finally:
-            self.busy = busy
         if gout:
-            self.records.append(Record("backward", call, op, node, gin, gout, False, False, where))
+            self.records.append(Record("backward", info.call, info.op, info.node, gin, gout, False, False, info.where))
 
     def _end_backward(self) -> None:
         self._in_backward = False
@@ -334,11 +346,8 @@ class Tracer:
     def take(self) -> tuple[list[Record], list[TensorRange]]:
         """The records so far and the ranges they index (one host sync); both start afresh."""
         records, self.records = self.records, []
-        busy, self.busy = self.busy, True
-        try:
+        with _quiet():
             return records, self.stats.read()
-        finally:
-            self.busy = busy
 
     @staticmethod
     def locate() -> str | None:

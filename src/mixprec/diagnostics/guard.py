@@ -103,8 +103,13 @@ class NonFiniteEvent:
             lines.append(f"  at {self.where}")
         out = TensorRange(self.dtype, self.shape, float("nan"), float("nan")) if self.kind == "nan" else None
         lines.append(f"  output: {out}" if out else f"  output: {_fmt_shape(self.dtype, self.shape)} holding inf")
-        label = "gradients in" if self.phase == "backward" else "inputs"
-        lines.append(f"  {label}: " + ("; ".join(map(str, self.inputs)) if self.inputs else "none (tensors)"))
+        if self.inputs:
+            label = "gradients in" if self.phase == "backward" else "inputs"
+            lines.append(f"  {label}: " + "; ".join(map(str, self.inputs)))
+        elif self.phase == "backward":
+            lines.append("  gradients in: from the nodes before it, all finite until here")
+        else:
+            lines.append("  inputs: no floating-point tensors")
         c = self.cause
         lines.append(f"  likely cause [{c.code}]: {c.text}")
         lines.append(f"  fix: {c.fix}")
@@ -176,7 +181,9 @@ def find_producer(
     A NaN producer's inputs held no NaN; an Inf producer's inputs (and Python scalars) were
     finite. Module-level records count only when no op inside that call made or carried a
     non-finite value (the op, when seen, is the better answer). With no producer, the first
-    record that received a non-finite value is returned with origin "input".
+    record that received a non-finite value is returned with origin "input". Backward nodes fed
+    by watched nodes carry no incoming ranges (see ``Tracer._on_node``): they are judged by what
+    came before them in the pass.
     """
     tainted: set[int] = set()
     intentional = False  # an infinity asked for (a -inf scalar, an allowed producer) was seen
@@ -193,6 +200,10 @@ def find_producer(
         if rec.op is not None and rec.call is not None:
             tainted.update(id(c) for c in rec.call.ancestors())
         produced = (out_nan and not in_nan) or (not out_nan and out_inf and not (in_nan or in_inf))
+        if produced and rec.node is not None and not rec.inputs and (first_bad_input or intentional):
+            # A backward node whose incoming gradient the tracer did not measure (watched ops sent
+            # it); a non-finite value is already about, so it may have carried that one.
+            produced = False
         if produced:
             if any(a.matches(rec.call, rec.op, kind) for a in allow):
                 intentional = True
