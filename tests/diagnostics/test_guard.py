@@ -128,11 +128,17 @@ class SqrtAtZero(nn.Module):
         return torch.sqrt(x.relu())  # finite forward; d sqrt / dx at 0 is inf
 
 
-def test_guard_names_the_backward_producer_and_its_node():
+def _sqrt_at_zero_net():
+    """Linear (weights -1) -> sqrt(relu) -> Linear: inputs of ones reach sqrt(0)."""
     net = nn.Sequential(nn.Linear(3, 3), SqrtAtZero(), nn.Linear(3, 1))
     with torch.no_grad():
         net[0].weight.fill_(-1.0)
         net[0].bias.zero_()
+    return net
+
+
+def test_guard_names_the_backward_producer_and_its_node():
+    net = _sqrt_at_zero_net()
     with nan_guard(net, "record") as g:
         net(torch.ones(2, 3)).sum().backward()
     ev = g.first
@@ -144,10 +150,7 @@ def test_guard_names_the_backward_producer_and_its_node():
 
 
 def test_backward_through_two_forwards_watches_both_graphs():
-    net = nn.Sequential(nn.Linear(3, 3), SqrtAtZero(), nn.Linear(3, 1))
-    with torch.no_grad():
-        net[0].weight.fill_(-1.0)
-        net[0].bias.zero_()
+    net = _sqrt_at_zero_net()
     with nan_guard(net, "record") as g:
         bad = net(torch.ones(2, 3))  # relu(-3) = 0: sqrt's backward is inf here
         fine = net(-torch.ones(2, 3))  # the second forward must not unhook the first graph
