@@ -49,6 +49,17 @@ _EXPORTS: dict[str, str] = {
     # compare (issue 3)
 
     # diagnostics (issue 4)
+    "nan_guard": "mixprec.diagnostics.guard",
+    "NanGuard": "mixprec.diagnostics.guard",
+    "NonFiniteError": "mixprec.diagnostics.guard",
+    "NonFiniteWarning": "mixprec.diagnostics.guard",
+    "NonFiniteEvent": "mixprec.diagnostics.guard",
+    "probe_grad_underflow": "mixprec.diagnostics.probes.gradients",
+    "probe_update_vanishing": "mixprec.diagnostics.probes.updates",
+    "probe_activation_range": "mixprec.diagnostics.probes.activations",
+    "ScaleMonitor": "mixprec.diagnostics.scale_monitor",
+    "diagnose_scale": "mixprec.diagnostics.scale_monitor",
+    "doctor": "mixprec.diagnostics.doctor",
 
     # master weights and memory (issue 5)
     "MasterWeights": "mixprec.masters",

@@ -16,6 +16,7 @@ SUBCOMMANDS: dict[str, str] = {
     # compare (issue 3)
     "recipes": "mixprec.recipes_cli",
     # doctor (issue 4)
+    "doctor": "mixprec.diagnostics.cli",
 
     # memory (issue 5)
     "memory": "mixprec.memory_cli",

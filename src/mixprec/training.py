@@ -104,9 +104,12 @@ class MixedPrecision:
         fp32_params: for recipes that store parameters in 16 bits, the rule for parameters kept in
             fp32, replacing the recipe's (``("norms", "biases", "embeddings")``); see
             ``mixprec.masters.rules``.
+        nan_guard: attach ``mixprec.nan_guard`` to the model in ``prepare``: True (mode "raise"), a
+            mode ("raise", "warn", "record") or a dict of its options. Off (False) adds no hooks.
 
     Attributes: ``recipe`` (with ``recipe.reason``), ``device``, ``policy``, ``scaler``, ``masters``
-    (the master-weight strategy of a 16-bit storage recipe, else None).
+    (the master-weight strategy of a 16-bit storage recipe, else None), ``guard`` (the ``NanGuard``
+    after ``prepare`` when ``nan_guard`` is on, else None).
     """
 
     def __init__(
@@ -120,6 +123,7 @@ class MixedPrecision:
         track_grad_norm: bool = False,
         skip_nonfinite: bool = False,
         fp32_params: Sequence[Any] | None = None,
+        nan_guard: bool | str | dict[str, Any] = False,
     ) -> None:
         self.device = as_device(device)
         self.recipe = resolve_recipe(recipe, self.device)
@@ -129,6 +133,8 @@ class MixedPrecision:
         self.track_grad_norm = track_grad_norm
         self.fp32_modules = tuple(fp32_modules)
         self.scaler = self._make_scaler(scaler, skip_nonfinite)
+        self.nan_guard = nan_guard
+        self.guard = None
         self._micro = 0
         self._steps = 0
         self._loss_sum: torch.Tensor | None = None
@@ -200,6 +206,13 @@ class MixedPrecision:
         if self.masters is not None:
             self.masters.attach(model)
         model._mixprec_recipe = self.recipe.name  # type: ignore[attr-defined]
+        if self.nan_guard:
+            from mixprec.diagnostics.guard import NanGuard  # a tool: imported only when asked for
+
+            # attached last, so its hooks see the islands' casts; the scaler tells it which
+            # backward overflows are the scaler's own probing (reported, never raised)
+            self.guard = NanGuard.from_flag(model, self.nan_guard, scaler=self.scaler)
+            self.guard.attach()
         return model
 
     def parameters(self, model: nn.Module) -> list[nn.Parameter]:

@@ -1,0 +1,147 @@
+"""Tensor ranges measured on the device and read back in one transfer; finding tensors in arguments."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import weakref
+from typing import Any
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorRange:
+    """What a tensor held: dtype, shape, smallest and largest value (NaN when it held a NaN)."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    min: float
+    max: float
+
+    @property
+    def nan(self) -> bool:
+        return math.isnan(self.min) or math.isnan(self.max)
+
+    @property
+    def inf(self) -> bool:
+        """Holds an infinity (unknown, reported False, when it also holds a NaN)."""
+        return not self.nan and (math.isinf(self.min) or math.isinf(self.max))
+
+    @property
+    def finite(self) -> bool:
+        return not (self.nan or self.inf)
+
+    @property
+    def absmax(self) -> float:
+        return float("nan") if self.nan else max(abs(self.min), abs(self.max))
+
+    def __str__(self) -> str:
+        from mixprec.formats import get_format
+
+        try:
+            dt = get_format(self.dtype).name
+        except ValueError:
+            dt = str(self.dtype).removeprefix("torch.")
+        shape = "x".join(map(str, self.shape)) or "scalar"
+        if self.nan:
+            return f"{dt}[{shape}] holding NaN"
+        return f"{dt}[{shape}] in [{self.min:.4g}, {self.max:.4g}]"
+
+
+class StatsBuffer:
+    """min/max of many tensors, computed where they live and read back in one transfer.
+
+    ``add`` returns an index. A tensor already measured (same object, same version counter) is
+    not measured again: a module's input is usually the previous op's output.
+    """
+
+    def __init__(self, finite_only: bool = False) -> None:
+        self.finite_only = finite_only  # ranges of the finite values only: (0, largest finite |x|)
+        self._vals: list[torch.Tensor] = []
+        self._meta: list[tuple[torch.dtype, tuple[int, ...]]] = []
+        self._cache: dict[int, tuple[weakref.ref, int, int]] = {}
+
+    def __len__(self) -> int:
+        return len(self._meta)
+
+    def add(self, t: torch.Tensor, cache: bool = True) -> int | None:
+        if t.numel() == 0 or t.is_sparse or t.is_complex():
+            return None
+        key = id(t)
+        version = -1
+        if cache:
+            try:
+                version = t._version
+            except RuntimeError:  # inference tensors have no version counter
+                cache = False
+            hit = self._cache.get(key) if cache else None
+            if hit is not None and hit[0]() is t and hit[1] == version:
+                return hit[2]
+        if self.finite_only:
+            hi = torch.nan_to_num(t.detach().abs(), nan=0.0, posinf=0.0).amax()
+            lo = torch.zeros_like(hi)
+        else:
+            lo, hi = torch.aminmax(t.detach())  # detach, not no_grad(): a context costs more than the op here
+        idx = len(self._meta)
+        self._vals.append(lo)
+        self._vals.append(hi)
+        self._meta.append((t.dtype, tuple(t.shape)))
+        if cache:
+            self._cache[key] = (weakref.ref(t), version, idx)
+        return idx
+
+    def read(self) -> list[TensorRange]:
+        """Every range added so far, in order (the one host sync), and empty the buffer."""
+        vals, meta = self._vals, self._meta
+        self._vals, self._meta, self._cache = [], [], {}
+        if not meta:
+            return []
+        devices = {v.device for v in vals}
+        if len(devices) == 1:
+            # stack promotes to the widest dtype present: 16-bit values, inf and NaN survive exactly
+            flat = torch.stack(vals).cpu().tolist()
+        else:
+            flat = [0.0] * len(vals)
+            for dev in devices:
+                idxs = [i for i, v in enumerate(vals) if v.device == dev]
+                for i, v in zip(idxs, torch.stack([vals[i] for i in idxs]).cpu().tolist()):
+                    flat[i] = v
+        return [TensorRange(dt, shape, flat[2 * i], flat[2 * i + 1]) for i, (dt, shape) in enumerate(meta)]
+
+
+def floating_tensors(obj: Any, skip_keys: tuple[str, ...] = ()) -> list[torch.Tensor]:
+    """Floating-point tensors in a nest of tuples, lists and dicts (a loop, not recursion: this
+    runs for every op)."""
+    out: list[torch.Tensor] = []
+    stack = [obj]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, torch.Tensor):
+            if v.is_floating_point():
+                out.append(v)
+        elif isinstance(v, (list, tuple)):
+            stack.extend(reversed(v))
+        elif isinstance(v, dict):
+            stack.extend(reversed([x for k, x in v.items() if k not in skip_keys]))
+    return out
+
+
+def _scalar_flags(obj: Any) -> tuple[bool, bool]:
+    """(NaN, inf) among the Python floats of an op's arguments: ``masked_fill(m, -inf)`` asks for inf."""
+    nan = inf = False
+    stack = [obj]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, float):
+            nan |= math.isnan(v)
+            inf |= math.isinf(v)
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v)
+        elif isinstance(v, dict):
+            stack.extend(v.values())
+    return nan, inf
+
+
+def _is_float(g: Any) -> bool:
+    return isinstance(g, torch.Tensor) and g.is_floating_point()

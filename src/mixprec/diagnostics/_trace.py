@@ -1,0 +1,376 @@
+"""Watching a model run: which module and op made each tensor, and the range of every tensor.
+
+Shared by the NaN guard and the activation-range probe. A ``Tracer`` attaches to a model:
+
+- forward pre/post hooks on every submodule keep a stack of module calls, so any op can be named
+  by the innermost module running it (the post hook is ``always_call`` so the stack survives
+  exceptions);
+- a ``TorchFunctionMode`` sees every torch call inside the forward (``q @ k.transpose(-2, -1)``
+  in an attention module's body included) and records the range of its inputs and outputs;
+- hooks on the autograd nodes those ops created record the gradients flowing through them in
+  backward (a node hook sees the gradient that came in and the one going out, without wrapping
+  tensors the way ``register_full_backward_hook`` does, so in-place ops keep working).
+
+Ranges are ``torch.aminmax`` results left on the device; ``StatsBuffer.read`` fetches them all in
+one transfer, so a guarded step costs one host sync per check instead of one per tensor. NaN
+propagates through min and max and an infinity shows up as one of them, so one pass per tensor
+gives both the range and the finiteness.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import os
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from mixprec.diagnostics._stats import StatsBuffer, TensorRange, _is_float, _scalar_flags, floating_tensors
+
+__all__ = ["ModuleCall", "Record", "StatsBuffer", "TensorRange", "Tracer", "floating_tensors", "hook_count", "op_name"]
+
+# Ops that cannot create a non-finite value from finite inputs (views, metadata, copies of
+# layout) or whose output is uninitialised memory (empty*): never checked. Keeping the forward
+# cheap matters: these are a large share of the calls in a transformer.
+_PASS_THROUGH = frozenset(
+    """__get__ __set__ size dim numel stride storage_offset data_ptr is_floating_point is_complex
+    is_contiguous __len__ __bool__ __format__ __repr__ __iter__ __hash__ __index__ __int__ __float__
+    item tolist requires_grad_ retain_grad register_hook backward view view_as reshape reshape_as
+    transpose permute t mT T split split_with_sizes chunk unbind tensor_split __getitem__ __setitem__
+    expand expand_as contiguous flatten unflatten squeeze unsqueeze detach detach_ narrow select
+    movedim moveaxis as_strided unfold diagonal repeat_interleave broadcast_to broadcast_tensors
+    empty empty_like empty_strided new_empty new_empty_strided cpu cuda pin_memory
+    __reduce_ex__ __deepcopy__ __setstate__ untyped_storage _typed_storage""".split()
+)
+
+# Backward nodes that only move a gradient around (views, transposes, splits, clones): they cannot
+# make a non-finite value from finite ones, and in a transformer they are over half of all nodes,
+# each hook call costing tens of microseconds. They are walked through, not hooked.
+_LAYOUT_NODES = frozenset(
+    """ViewBackward UnsafeViewBackward TransposeBackward TBackward PermuteBackward CloneBackward
+    SplitBackward SplitWithSizesBackward UnsqueezeBackward SqueezeBackward SelectBackward SliceBackward
+    UnbindBackward AliasBackward AsStridedBackward ReshapeAliasBackward NarrowBackward DiagonalBackward
+    DetachBackward""".split()
+)
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_MIXPREC_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_TASKS_DIR = os.path.join(_MIXPREC_DIR, "tasks")  # the built-in task is user code for this purpose
+_USER_CODE: dict[Any, bool] = {}  # code object -> outside torch and mixprec? (a dict lookup per frame)
+_MARK = "mixprec.diagnostics"  # prefix of our keys in autograd nodes' metadata
+_TOKENS = itertools.count(1)
+
+# Our own tensor calls in hooks must not go through the op mode: they would be recorded, and each
+# pass through a Python mode costs microseconds (hooks run while the mode is live).
+_quiet = torch._C.DisableTorchFunction
+
+
+def op_name(func: Any) -> str:
+    """A short readable name: ``Tensor.__matmul__`` -> ``matmul``, ``__truediv__`` -> ``div``."""
+    name = getattr(func, "__name__", None) or str(func)
+    name = name.strip("_")
+    return {"truediv": "div", "rtruediv": "rdiv", "itruediv": "div_", "iadd": "add_", "isub": "sub_",
+            "imul": "mul_", "rpow": "pow", "rmul": "mul", "radd": "add"}.get(name, name)
+
+
+@dataclasses.dataclass(eq=False)
+class ModuleCall:
+    """One call of one module (identity matters: the same module called twice is two calls)."""
+
+    name: str
+    type: str
+    parent: "ModuleCall | None"
+    serial: int
+
+    def ancestors(self) -> Iterator["ModuleCall"]:
+        c: ModuleCall | None = self
+        while c is not None:
+            yield c
+            c = c.parent
+
+
+class Record(NamedTuple):
+    """One observation: an op (``op`` set), a module call (``op`` None) or a backward node (``node`` set).
+
+    ``inputs``/``outputs`` index the ``StatsBuffer``; in backward, inputs are the gradients that
+    came in (w.r.t. the op's outputs) and outputs those going out (w.r.t. its inputs).
+    """
+
+    phase: str
+    call: ModuleCall | None
+    op: str | None
+    node: str | None
+    inputs: tuple[int | None, ...]
+    outputs: tuple[int | None, ...]
+    scalar_nan: bool
+    scalar_inf: bool
+    where: str | None
+
+
+class _NodeInfo:
+    """What the tracer knows of an autograd node; kept in the node's metadata (no reference back
+    to the node, so no cycle keeps a graph alive)."""
+
+    __slots__ = ("token", "call", "op", "node", "where", "consumed")
+
+    def __init__(self, token: int, call: ModuleCall | None, op: str | None, node: str, where: str | None) -> None:
+        self.token, self.call, self.op, self.node, self.where = token, call, op, node, where
+        self.consumed = False
+
+
+class _OpMode(TorchFunctionMode):
+    def __init__(self, tracer: "Tracer") -> None:
+        super().__init__()
+        self.tracer = tracer
+
+    def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        tr = self.tracer
+        name = op_name(func)
+        if name in _PASS_THROUGH:
+            return func(*args, **kwargs)
+        call = tr.stack[-1] if tr.stack else None
+        if call is None and not (tr.outside_modules and torch.is_grad_enabled()):
+            return func(*args, **kwargs)
+        ins = floating_tensors((args, kwargs), skip_keys=("out",))
+        in_idx = tuple(tr.stats.add(t) for t in ins)  # before the op: in-place ops overwrite them
+        out = func(*args, **kwargs)
+        outs = floating_tensors(out)
+        if not outs:
+            return out
+        out_idx = tuple(tr.stats.add(t) for t in outs)
+        sn, si = _scalar_flags((args, kwargs))
+        where = tr.locate() if tr.locate_ops else None
+        tr.records.append(Record("forward", call, name, None, in_idx, out_idx, sn, si, where))
+        if tr.backward:
+            for t in outs:
+                if t.grad_fn is not None:
+                    tr.adopt(t.grad_fn, call, name, where)
+        return out
+
+
+class Tracer:
+    """Hooks a model so every op and module call in its forward (and backward) is recorded.
+
+    Args:
+        model: the module to watch (all its submodules are hooked).
+        ops: watch individual torch calls with a ``TorchFunctionMode`` (else module outputs only).
+        backward: hook the autograd nodes created in the forward.
+        outside_modules: also record ops run outside the model while the mode is active (a loss
+            computed in a ``with`` block), as long as grad mode is on (so optimizer steps are not).
+        locate_ops: note the source line of each op (file:line in function).
+        finite_only: measure the largest finite magnitude instead of the range (ignores the -inf of a mask).
+        on_forward_end / on_backward_start / on_backward_end: callbacks (the guard's checks).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        ops: bool = True,
+        backward: bool = True,
+        outside_modules: bool = False,
+        locate_ops: bool = True,
+        finite_only: bool = False,
+        on_forward_end: Callable[[], None] | None = None,
+        on_backward_start: Callable[[], None] | None = None,
+        on_backward_end: Callable[[], None] | None = None,
+    ) -> None:
+        self.model = model
+        self.ops = ops
+        self.backward = backward
+        self.outside_modules = outside_modules
+        self.locate_ops = locate_ops
+        self.on_forward_end = on_forward_end
+        self.on_backward_start = on_backward_start
+        self.on_backward_end = on_backward_end
+        self.stats = StatsBuffer(finite_only)
+        self.records: list[Record] = []
+        self.stack: list[ModuleCall] = []
+        self.forward_calls = 0  # completed calls of the root module
+        self._pending_inputs: list[tuple[int | None, ...]] = []
+        self._handles: list[Any] = []
+        self._node_handles: list[Any] = []
+        self._token = 0  # this attachment; its key marks the nodes it hooked (see adopt)
+        self._key = ""
+        self._mode: _OpMode | None = None
+        self._scope_depth = 0
+        self._in_backward = False
+        self._serial = 0
+        self._names: dict[int, tuple[str, str]] = {}
+
+    # ------------------------------------------------------------------ attach / detach
+
+    @property
+    def attached(self) -> bool:
+        return bool(self._handles)
+
+    def attach(self) -> "Tracer":
+        if self.attached:
+            return self
+        self._token = next(_TOKENS)
+        self._key = f"{_MARK}.{self._token}"  # one key per attachment: two tracers never share marks
+        for name, m in self.model.named_modules():
+            self._names[id(m)] = (name, type(m).__name__)
+            self._handles.append(m.register_forward_pre_hook(self._pre, with_kwargs=True))
+            self._handles.append(m.register_forward_hook(self._post, with_kwargs=True, always_call=True))
+        return self
+
+    def detach(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        for h in self._node_handles:
+            h.remove()
+        self._node_handles = []
+        self._token = 0  # hooks left on older graphs (handles already dropped) now do nothing
+        if self._mode is not None and self._scope_depth == 0:
+            self._exit_mode()
+
+    # ------------------------------------------------------------------ op scope
+
+    def _enter_mode(self) -> None:
+        if self.ops and self._mode is None:
+            self._mode = _OpMode(self)
+            self._mode.__enter__()
+
+    def _exit_mode(self) -> None:
+        if self._mode is not None:
+            mode, self._mode = self._mode, None
+            mode.__exit__(None, None, None)
+
+    def enter_scope(self) -> None:
+        """Watch ops from now on, inside and outside the model (the ``with nan_guard(...)`` block)."""
+        self._scope_depth += 1
+        self._enter_mode()
+
+    def exit_scope(self) -> None:
+        self._scope_depth -= 1
+        if self._scope_depth == 0:
+            self._exit_mode()
+
+    # ------------------------------------------------------------------ module hooks
+
+    def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        name, typ = self._names.get(id(module), (type(module).__name__, type(module).__name__))
+        root = not self.stack
+        if root and module is self.model:
+            # Earlier graphs keep their hooks (a backward through two forwards is watched) but we
+            # drop the handles, so a long run does not pile them up; detach disarms those hooks.
+            self._node_handles = []
+            self._enter_mode()
+        self._serial += 1
+        call = ModuleCall(name, typ, self.stack[-1] if self.stack else None, self._serial)
+        with _quiet():
+            self._pending_inputs.append(tuple(self.stats.add(t) for t in floating_tensors((args, kwargs))))
+        self.stack.append(call)
+
+    def _post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if not self.stack:
+            return
+        call = self.stack.pop()
+        in_idx = self._pending_inputs.pop()
+        with _quiet():
+            outs = floating_tensors(output)
+            out_idx = tuple(self.stats.add(t) for t in outs)
+            if outs:
+                self.records.append(Record("forward", call, None, None, in_idx, out_idx, False, False, None))
+            if self.backward:
+                for t in outs:
+                    if t.grad_fn is not None:
+                        self.adopt(t.grad_fn, call, None, None)
+        if not self.stack and module is self.model:
+            self.forward_calls += 1
+            if self._scope_depth == 0:
+                self._exit_mode()
+            if output is not None and self.on_forward_end is not None:
+                self.on_forward_end()
+
+    # ------------------------------------------------------------------ backward
+
+    def adopt(self, node: Any, call: ModuleCall | None, op: str | None, where: str | None) -> None:
+        """Hook ``node`` and the nodes behind it not seen yet: those were made by this op (or module)."""
+        todo = [(node, False)]
+        while todo:
+            n, via_edge = todo.pop()
+            if n is None:
+                continue
+            # The mark lives on the C++ node (its metadata dict), so it cannot be confused with
+            # another node the way a Python id of a short-lived wrapper could, and holds nothing alive.
+            meta = n.metadata
+            mark = meta.get(self._key)
+            if mark is not None:
+                if via_edge:  # a watched op uses this node's output: its gradient comes from us
+                    mark.consumed = True
+                continue
+            kind = type(n).__name__
+            if kind == "AccumulateGrad":
+                continue  # a leaf's .grad: the gradient reaching it was already seen leaving its consumer
+            info = meta[self._key] = _NodeInfo(self._token, call, op, n.name(), where)
+            todo.extend((f, True) for f, _ in n.next_functions)
+            if kind.rstrip("0123456789") not in _LAYOUT_NODES:
+                self._node_handles.append(n.register_hook(functools.partial(self._on_node, info)))
+
+    def _on_node(self, info: "_NodeInfo", grad_inputs: tuple, grad_outputs: tuple) -> None:
+        if info.token != self._token:
+            return  # hooked by an earlier attachment: disarmed
+        if not self._in_backward:
+            self._in_backward = True
+            if self.on_backward_start is not None:
+                self.on_backward_start()
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        with _quiet():  # an op mode may be live in backward: keep our own ops out of it
+            # The gradient coming into a node that watched ops consume is what their nodes sent
+            # out, already measured (or their sum): measuring it again would double the cost of
+            # backward. Only gradients arriving from outside (the loss) are measured on the way in.
+            # (A sum of finite gradients that overflows then blames this node: it is the node whose
+            # output gradient went bad.)
+            gin = () if info.consumed else tuple(self.stats.add(g) for g in grad_outputs if _is_float(g))
+            gout = tuple(self.stats.add(g) for g in grad_inputs if _is_float(g))
+        if gout:
+            self.records.append(Record("backward", info.call, info.op, info.node, gin, gout, False, False, info.where))
+
+    def _end_backward(self) -> None:
+        self._in_backward = False
+        if self.on_backward_end is not None:
+            self.on_backward_end()
+
+    # ------------------------------------------------------------------ reading
+
+    def take(self) -> tuple[list[Record], list[TensorRange]]:
+        """The records so far and the ranges they index (one host sync); both start afresh."""
+        records, self.records = self.records, []
+        with _quiet():
+            return records, self.stats.read()
+
+    @staticmethod
+    def locate() -> str | None:
+        """``file.py:LINE in function`` of the innermost caller outside torch and mixprec."""
+        f = sys._getframe(2)
+        while f is not None:
+            code = f.f_code
+            user = _USER_CODE.get(code)
+            if user is None:
+                fn = code.co_filename
+                user = _USER_CODE[code] = not fn.startswith(_TORCH_DIR) and (
+                    not fn.startswith(_MIXPREC_DIR) or fn.startswith(_TASKS_DIR))
+            if user:
+                return f"{os.path.basename(code.co_filename)}:{f.f_lineno} in {code.co_name}"
+            f = f.f_back
+        return None
+
+
+def hook_count(model: nn.Module) -> int:
+    """Hooks of every kind registered on ``model`` and its submodules (0 means untouched)."""
+    total = 0
+    for m in model.modules():
+        for attr in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
+                     "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks_with_kwargs"):
+            total += len(getattr(m, attr, {}) or {})
+    return total

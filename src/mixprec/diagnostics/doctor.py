@@ -1,0 +1,199 @@
+"""``doctor``: the mixed-precision debugging checklist, run on your model and batch.
+
+    report = mixprec.doctor("mypkg.tasks:make_task", recipe="fp16-mixed")
+    print(report.render_text())
+    report.write("mixprec-report")          # doctor.html (with the gradient histogram), doctor.json
+
+It trains a few steps under the recipe inside a NaN guard, the same step in fp32 (and in bf16 when
+the recipe's step fails), then probes gradient underflow, update vanishing and activation range
+in fp32, and goes through the checklist (``checks.py``). Each finding says what was seen, the
+evidence, and the fix; ``report.alarming`` is True when a finding is an alarm.
+
+On a CPU without native 16-bit matmuls the 16-bit steps are emulated and slow: the default is a
+few steps on the task's first batches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixprec.diagnostics.causes import CAST_OPS
+from mixprec.diagnostics.checks import Evidence, NormStat, run_checklist
+from mixprec.diagnostics.doctor_runs import build, run_steps
+from mixprec.diagnostics.findings import STATUSES, Finding
+from mixprec.diagnostics.probes.activations import probe_activation_range
+from mixprec.diagnostics.probes.gradients import probe_grad_underflow
+from mixprec.diagnostics.probes.updates import probe_update_vanishing
+from mixprec.recipes import as_device, resolve_recipe
+from mixprec.tasks import Task, load_task, to_device
+
+_NORM_TYPES = tuple(t for t in (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase, getattr(nn, "RMSNorm", None)) if t)
+
+
+@dataclasses.dataclass
+class DoctorReport:
+    """The findings, in checklist order, and the evidence behind them (``evidence.run`` etc.)."""
+
+    task: str
+    description: str
+    recipe: str
+    device: str
+    findings: list[Finding]
+    evidence: Evidence
+    seconds: float
+
+    @property
+    def alarming(self) -> bool:
+        return any(f.alarming for f in self.findings)
+
+    @property
+    def exit_code(self) -> int:
+        """1 when a finding is an alarm, else 0 (what ``mixprec doctor`` exits with)."""
+        return 1 if self.alarming else 0
+
+    def get(self, check: str) -> Finding:
+        for f in self.findings:
+            if f.check == check:
+                return f
+        raise KeyError(f"no finding {check!r}; checks: {[f.check for f in self.findings]}")
+
+    def worst(self) -> list[Finding]:
+        """Findings ordered most severe first (stable within a status)."""
+        return sorted(self.findings, key=lambda f: STATUSES.index(f.status))
+
+    def to_dict(self) -> dict[str, Any]:
+        ev = self.evidence
+        return {
+            "task": self.task, "description": self.description, "recipe": self.recipe, "device": self.device,
+            "alarming": self.alarming, "seconds": round(self.seconds, 2),
+            "findings": [f.to_dict() for f in self.findings],
+            "runs": {r.recipe: r.to_dict() for r in (ev.run, ev.fp32, ev.bf16) if r is not None},
+            "probes": {
+                "grad_underflow": None if ev.grads is None else ev.grads.to_dict([1.0, ev.run.scale] + (
+                    [ev.grads.recommended_scale] if ev.grads.recommended_scale else [])),
+                "update_vanishing": None if ev.updates is None else ev.updates.to_dict(),
+                "activation_range": None if ev.activations is None else ev.activations.to_dict(),
+            },
+            "errors": ev.errors,
+        }
+
+    def render_text(self, width: int = 100) -> str:
+        from mixprec.diagnostics.doctor_report import render_text
+
+        return render_text(self, width)
+
+    def write(self, out_dir: str | Path) -> dict[str, Path]:
+        """Write ``doctor.html``, ``doctor.json`` and the PNG figures into ``out_dir``."""
+        from mixprec.diagnostics.doctor_report import write_report
+
+        return write_report(self, Path(out_dir))
+
+
+def _norm_like(module: nn.Module) -> bool:
+    return isinstance(module, _NORM_TYPES) or "norm" in type(module).__name__.lower()
+
+
+def _measure_norms(model: nn.Module, forward: Callable[[], Any]) -> dict[str, tuple[str, float]]:
+    """Smallest per-row variance (over the last dim, in fp32) of each norm-like module's input."""
+    found: dict[str, tuple[str, float]] = {}
+
+    def hook(name: str, module: nn.Module, args: tuple) -> None:
+        x = next((a for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()), None)
+        if x is not None and x.numel() > 1 and x.shape[-1] > 1:
+            v = float(x.detach().float().var(-1, unbiased=False).min())
+            found[name] = (type(module).__name__, min(v, found.get(name, ("", v))[1]))
+
+    handles = [m.register_forward_pre_hook(lambda mod, a, n=n: hook(n, mod, a))
+               for n, m in model.named_modules() if n and _norm_like(m)]
+    try:
+        forward()
+    finally:
+        for h in handles:
+            h.remove()
+    return found
+
+
+def _probe(ev: Evidence, task: Task, device: torch.device, seed: int, progress: Callable[[str], None]) -> None:
+    inputs, targets = to_device(task.get_batch(0), device)
+
+    def fp32_closure(model: nn.Module) -> Callable[[], torch.Tensor]:
+        return lambda: task.loss_fn(task.run_forward(model, inputs), targets)
+
+    model32, _ = build(task, "fp32", device, seed)
+    progress("probing gradient underflow (fp32 backward)")
+    try:
+        ev.grads = probe_grad_underflow(model32, fp32_closure(model32), scales=[ev.run.scale])
+    except Exception as e:
+        ev.errors["grads"] = f"{type(e).__name__}: {e}"
+    progress("probing update vanishing (one fp32 optimizer step)")
+    try:
+        ev.updates = probe_update_vanishing(model32, task.build_optimizer(model32.parameters()), fp32_closure(model32))
+    except Exception as e:
+        ev.errors["updates"] = f"{type(e).__name__}: {e}"
+    progress(f"probing activation range (fp32, and {ev.recipe.name} forward)")
+    try:
+        with torch.no_grad():
+            act32 = probe_activation_range(model32, lambda: task.run_forward(model32, inputs))
+            norms32 = _measure_norms(model32, lambda: task.run_forward(model32, inputs))
+            model_r, mp = build(task, ev.recipe.name, device, seed)
+            with mp.autocast():
+                act_r = probe_activation_range(model_r, lambda: task.run_forward(model_r, inputs))
+        ev.activations = act32.at_risk_under(act_r)
+        # modules that compute in 16 bits: an op other than a cast (an island casts its output back) gave 16 bits
+        sixteen = {e.module for e in act_r.entries
+                   if e.op is not None and e.op not in CAST_OPS and e.dtype in (torch.float16, torch.bfloat16)}
+        ev.norms = [NormStat(n, t, v, n in sixteen) for n, (t, v) in norms32.items()]
+    except Exception as e:
+        ev.errors["activations"] = f"{type(e).__name__}: {e}"
+
+
+def doctor(
+    task: str | Task | Callable[..., Task] | None = None,
+    recipe: str = "fp16-mixed",
+    device: str | torch.device | None = None,
+    *,
+    steps: int = 3,
+    seed: int = 0,
+    progress: Callable[[str], None] | None = None,
+) -> DoctorReport:
+    """Run the mixed-precision checklist on ``task`` (default: the built-in char-level GPT).
+
+    Args:
+        task: a ``Task``, a factory, or ``"module:function"`` (see ``mixprec.tasks``).
+        recipe: the recipe to examine (default fp16-mixed, the demanding one; any recipe name or
+            jmp policy string). ``"auto"`` resolves for the device.
+        device: where to run (default CUDA when available).
+        steps: steps under the recipe (the loss-scale check needs a few; more on a GPU is cheap).
+        seed: model initialisation seed (the same for every run).
+        progress: called with a line before each stage (the CLI prints them).
+    """
+    t0 = time.perf_counter()
+    say = progress or (lambda _msg: None)
+    dev = as_device(device)
+    the_task = load_task(task)
+    rec = resolve_recipe(recipe, dev)
+    if not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be a positive integer, got {steps!r}")
+    say(f"running {steps} step(s) of {the_task.name} under {rec.name}, guarded")
+    run = run_steps(the_task, rec.name, dev, steps=steps, seed=seed)
+    say("running the same step in fp32")
+    f32 = run_steps(the_task, "fp32", dev, steps=1, seed=seed) if rec.name != "fp32" else run
+    ev = Evidence(rec, run, f32)
+    if run.faulty and not f32.faulty and rec.policy.compute_dtype != torch.bfloat16:
+        # as many steps as it took the recipe to fail, at least one
+        n = next((i + 1 for i, v in enumerate(run.losses) if v != v or abs(v) == float("inf")), 1)
+        say(f"running {n} step(s) under bf16-mixed")
+        try:
+            ev.bf16 = run_steps(the_task, "bf16-mixed", dev, steps=n, seed=seed)
+        except Exception as e:
+            ev.errors["bf16"] = f"{type(e).__name__}: {e}"
+    _probe(ev, the_task, dev, seed, say)
+    findings = run_checklist(ev)
+    return DoctorReport(the_task.name, the_task.description, rec.name, str(dev), findings, ev, time.perf_counter() - t0)

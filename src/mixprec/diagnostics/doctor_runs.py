@@ -1,0 +1,151 @@
+"""The runs ``doctor`` bases its findings on: a few steps of a task under a recipe, watched.
+
+``run_steps`` trains a fresh model (seeded) for a few steps with ``MixedPrecision``, inside a NaN
+guard in record mode and a scale monitor, and keeps what the checks need: losses, the guard's
+events, gradient norms, the scaler's record, which parameters' gradients were exactly zero on the
+first step, the dtype the loss came out in, and which modules returned a scalar (a loss computed
+inside the model).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixprec.diagnostics.guard import NonFiniteEvent, nan_guard
+from mixprec.diagnostics.scale_monitor import Overflow, ScaleDiagnosis, ScaleMonitor, diagnose_scale
+from mixprec.tasks import Task, to_device
+from mixprec.training import MixedPrecision
+
+
+@dataclasses.dataclass
+class RunResult:
+    """What one watched run saw.
+
+    Attributes:
+        recipe: the recipe's canonical name; scale: the loss scale of the first step.
+        losses: per step (NaN/inf kept); grad_norms: per step, before clipping.
+        events: the guard's events (at most one per pass), oldest first.
+        history, diagnosis, overflows: the scaler's record, its diagnosis, and attributed overflows.
+        zero_grads: parameter name -> fraction of its first-step gradient that was exactly 0.
+        loss_dtype: dtype of ``task.loss_fn``'s result under the recipe.
+        scalar_modules: (module name, class, dtype) of modules that returned a scalar on step 0.
+        error: an exception that stopped the run (text), or None.
+    """
+
+    recipe: str
+    scale: float
+    losses: list[float] = dataclasses.field(default_factory=list)
+    grad_norms: list[float | None] = dataclasses.field(default_factory=list)
+    events: list[NonFiniteEvent] = dataclasses.field(default_factory=list)
+    history: dict[str, list] | None = None
+    diagnosis: ScaleDiagnosis | None = None
+    overflows: list[Overflow] = dataclasses.field(default_factory=list)
+    zero_grads: dict[str, float] = dataclasses.field(default_factory=dict)
+    loss_dtype: torch.dtype | None = None
+    scalar_modules: list[tuple[str, str, torch.dtype]] = dataclasses.field(default_factory=list)
+    error: str | None = None
+    seconds: float = 0.0
+
+    @property
+    def finite(self) -> bool:
+        return self.error is None and all(math.isfinite(v) for v in self.losses)
+
+    @property
+    def faults(self) -> list[NonFiniteEvent]:
+        """Events that are faults: everything but the scaler's own backward overflows."""
+        return [e for e in self.events if not e.scaled]
+
+    @property
+    def faulty(self) -> bool:
+        return not self.finite or bool(self.faults)
+
+    @property
+    def first_fault(self) -> NonFiniteEvent | None:
+        f = self.faults
+        fwd = [e for e in f if e.phase == "forward" and e.origin == "producer"]
+        return (fwd or [e for e in f if e.origin == "producer"] or f or [None])[0]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "recipe": self.recipe, "scale": self.scale, "losses": self.losses, "grad_norms": self.grad_norms,
+            "events": [e.to_dict() for e in self.events], "error": self.error, "seconds": round(self.seconds, 3),
+            "diagnosis": None if self.diagnosis is None else self.diagnosis.to_dict(),
+            "overflows": [dataclasses.asdict(o) for o in self.overflows],
+            "loss_dtype": None if self.loss_dtype is None else str(self.loss_dtype).removeprefix("torch."),
+        }
+
+
+def build(task: Task, recipe: str, device: torch.device, seed: int, **mp_kwargs: Any) -> tuple[nn.Module, MixedPrecision]:
+    """A fresh seeded model, prepared for ``recipe``."""
+    torch.manual_seed(seed)
+    model = task.build_model().to(device)
+    mp = MixedPrecision(recipe, device, **mp_kwargs)
+    mp.prepare(model)
+    return model, mp
+
+
+def _scalar_watch(model: nn.Module, out: list[tuple[str, str, torch.dtype]]) -> list[Any]:
+    def hook(name: str, module: nn.Module, args: Any, output: Any) -> None:
+        if isinstance(output, torch.Tensor) and output.is_floating_point() and output.numel() == 1:
+            out.append((name, type(module).__name__, output.dtype))
+
+    # prepend: see the model's own output before the recipe's output cast turns it into fp32
+    return [m.register_forward_hook(lambda mod, a, o, n=n: hook(n, mod, a, o), prepend=True)
+            for n, m in model.named_modules()]
+
+
+def _zero_watch(model: nn.Module, out: dict[str, float]) -> list[Any]:
+    def hook(name: str, p: torch.Tensor) -> None:
+        if name not in out and p.grad is not None:
+            out[name] = float((p.grad == 0).float().mean())
+
+    return [p.register_post_accumulate_grad_hook(lambda p, n=n: hook(n, p))
+            for n, p in model.named_parameters() if p.requires_grad]
+
+
+def run_steps(task: Task, recipe: str, device: torch.device, *, steps: int, seed: int = 0) -> RunResult:
+    """Train ``steps`` steps of ``task`` under ``recipe``, watched. Never raises for the model's faults."""
+    t0 = time.perf_counter()
+    model, mp = build(task, recipe, device, seed, track_grad_norm=True)
+    scaler = mp.scaler
+    result = RunResult(mp.recipe.name, float(scaler.get_scale()) if scaler.is_enabled() else 1.0)
+    opt = task.build_optimizer(model.parameters())
+    handles = _scalar_watch(model, result.scalar_modules) + _zero_watch(model, result.zero_grads)
+    monitor = ScaleMonitor(scaler, model).attach() if scaler.is_enabled() else None
+    try:
+        with nan_guard(model, "record", scaler=scaler) as guard:
+            for step in range(steps):
+                inputs, targets = to_device(task.get_batch(step), device)
+                with mp.autocast():
+                    out = task.run_forward(model, inputs)
+                    loss = task.loss_fn(out, targets)
+                if step == 0:
+                    for h in handles[: len(list(model.modules()))]:
+                        h.remove()  # the scalar watch is for step 0 only
+                    result.loss_dtype = loss.dtype if isinstance(loss, torch.Tensor) else None
+                stats = mp.step(loss, opt, max_grad_norm=task.max_grad_norm)
+                value = float(stats.loss)
+                result.losses.append(value)
+                result.grad_norms.append(None if stats.grad_norm is None else float(stats.grad_norm))
+                if not math.isfinite(value) and not scaler.is_enabled():
+                    break  # without a scaler the step was taken: every later step starts from NaN weights
+        result.events = list(guard.events)
+    except Exception as e:  # the user's model may fail in any way; doctor reports it
+        result.error = f"{type(e).__name__}: {e}"
+        result.events = list(guard.events) if "guard" in locals() else []
+    finally:
+        for h in handles:
+            h.remove()
+        if monitor is not None:
+            monitor.detach()
+            result.history = {k: v.tolist() for k, v in scaler.history().items()}
+            result.diagnosis = diagnose_scale(result.history)
+            result.overflows = monitor.overflows()
+        result.seconds = time.perf_counter() - t0
+    return result

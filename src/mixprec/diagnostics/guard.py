@@ -1,0 +1,401 @@
+"""The NaN/Inf guard: name the module (and op) that produced the first non-finite value.
+
+    with mixprec.nan_guard(model) as guard:       # mode="raise" by default
+        loss = loss_fn(model(x), y)                # forward: every op and module output checked
+        loss.backward()                            # backward: every autograd node checked
+
+The producer is the first op (or module) whose output held a NaN while its inputs held none, or an
+infinity while its inputs were finite: not the modules the NaN flowed through afterwards. An op
+given an infinity on purpose (``masked_fill(mask, float("-inf"))``, ``torch.full(..., -inf)``) is
+not a producer; ``allow=`` names other intentional infinities.
+
+Cost: checks are deferred. Every checked tensor gets one ``aminmax`` on its device; the results
+are read in one transfer when the model's forward returns, when backward starts (ops run after
+the model, a loss in the ``with`` block) and when backward ends: at most three host syncs per step,
+none per op. When the guard is off, or after the ``with`` block, the model carries no hooks at all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import warnings
+from collections.abc import Sequence
+from typing import Any, Literal
+
+from torch import nn
+
+from mixprec.diagnostics._trace import ModuleCall, Record, TensorRange, Tracer
+
+Mode = Literal["raise", "warn", "record"]
+_MODES = ("raise", "warn", "record")
+
+
+class NonFiniteError(FloatingPointError):
+    """Raised by a guard in ``raise`` mode; ``.event`` says where and why."""
+
+    def __init__(self, event: "NonFiniteEvent") -> None:
+        super().__init__(event.describe())
+        self.event = event
+
+
+class NonFiniteWarning(RuntimeWarning):
+    """Issued by a guard in ``warn`` mode."""
+
+
+@dataclasses.dataclass(frozen=True)
+class NonFiniteEvent:
+    """Where a NaN/Inf first appeared in one forward or backward pass.
+
+    Attributes:
+        phase: "forward" or "backward".
+        module: qualified name of the innermost module running the producer ("" is the model
+            itself; None when the op ran outside the model, e.g. in the loss).
+        module_type: its class name.
+        op: the torch call ("matmul", "log", "div"); None when only the module's output was seen.
+        node: backward only: the autograd node (``LogBackward0``).
+        kind: "nan" or "inf".
+        dtype, shape: of the offending output (forward) or gradient (backward).
+        inputs: ranges of what the producer received (backward: the gradients that came in).
+        origin: "producer" (made here from finite inputs), or "input" (it arrived non-finite from
+            outside what the guard watches: the batch, or the loss in backward).
+        where: source line ``file.py:LINE in function`` of the op (forward, when known).
+        step: how many forward passes of the model the guard had seen (1 = the first).
+        scaled, scale: backward overflow while a loss scaler with ``scale`` > 1 was active; the
+            scaler skips such steps, so the guard reports but never raises for them.
+    """
+
+    phase: str
+    module: str | None
+    module_type: str | None
+    op: str | None
+    node: str | None
+    kind: str
+    dtype: Any
+    shape: tuple[int, ...]
+    inputs: tuple[TensorRange, ...]
+    origin: str = "producer"
+    where: str | None = None
+    step: int = 0
+    scaled: bool = False
+    scale: float = 1.0
+
+    @property
+    def where_text(self) -> str:
+        if self.module is None:
+            name = "code outside the model"
+        else:
+            name = f"{self.module or '(model)'} ({self.module_type})"
+        return name + (f", op {self.op}" if self.op else "") + (f" [{self.node}]" if self.node else "")
+
+    @property
+    def cause(self):
+        from mixprec.diagnostics.causes import explain
+
+        return explain(self)
+
+    def describe(self) -> str:
+        """A few lines: what, where, the inputs, the likely cause and the fix."""
+        what = "NaN" if self.kind == "nan" else "Inf"
+        verb = "produced" if self.origin == "producer" else "arrived"
+        lines = [f"{what} {verb} in {self.phase} (step {self.step}) by {self.where_text}"]
+        if self.where:
+            lines.append(f"  at {self.where}")
+        out = TensorRange(self.dtype, self.shape, float("nan"), float("nan")) if self.kind == "nan" else None
+        lines.append(f"  output: {out}" if out else f"  output: {_fmt_shape(self.dtype, self.shape)} holding inf")
+        if self.inputs:
+            label = "gradients in" if self.phase == "backward" else "inputs"
+            lines.append(f"  {label}: " + "; ".join(map(str, self.inputs)))
+        elif self.phase == "backward":
+            lines.append("  gradients in: from the nodes before it, all finite until here")
+        else:
+            lines.append("  inputs: no floating-point tensors")
+        c = self.cause
+        lines.append(f"  likely cause [{c.code}]: {c.text}")
+        lines.append(f"  fix: {c.fix}")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        c = self.cause
+        return {
+            "phase": self.phase, "module": self.module, "module_type": self.module_type, "op": self.op,
+            "node": self.node, "kind": self.kind, "dtype": str(self.dtype).removeprefix("torch."),
+            "shape": list(self.shape), "inputs": [str(r) for r in self.inputs], "origin": self.origin,
+            "where": self.where, "step": self.step, "scaled": self.scaled, "cause": c.code,
+            "cause_text": c.text, "fix": c.fix,
+        }
+
+
+def _fmt_shape(dtype: Any, shape: tuple[int, ...]) -> str:
+    return str(TensorRange(dtype, shape, 0.0, 0.0)).split(" in ")[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class AllowRule:
+    """An intentional non-finite value: ``module`` (glob on the qualified name, "*" for any),
+    ``op`` (None for any), and the kinds allowed (infinities only, by default)."""
+
+    module: str = "*"
+    op: str | None = None
+    kinds: tuple[str, ...] = ("inf",)
+
+    @classmethod
+    def parse(cls, spec: "str | AllowRule") -> "AllowRule":
+        """``"masked_fill"`` (an op anywhere), ``"blocks.*.attn:"`` (a module), ``"blocks.*:add"`` (both)."""
+        if isinstance(spec, AllowRule):
+            return spec
+        if not isinstance(spec, str) or not spec:
+            raise TypeError(f"allow entries are strings like 'op', 'module:' or 'module:op', or AllowRule; got {spec!r}")
+        if ":" in spec:
+            module, _, op = spec.partition(":")
+            return cls(module or "*", op or None)
+        return cls("*", spec)
+
+    def matches(self, call: ModuleCall | None, op: str | None, kind: str) -> bool:
+        if kind not in self.kinds:
+            return False
+        if self.op is not None and self.op != op:
+            return False
+        if self.module == "*":
+            return True
+        return call is not None and any(fnmatch.fnmatchcase(c.name, self.module) for c in call.ancestors())
+
+
+def _flags(ranges: list[TensorRange], idx: Sequence[int | None]) -> tuple[bool, bool]:
+    nan = inf = False
+    for i in idx:
+        if i is not None:
+            r = ranges[i]
+            nan |= r.nan
+            inf |= r.inf
+    return nan, inf
+
+
+def find_producer(
+    records: list[Record],
+    ranges: list[TensorRange],
+    allow: Sequence[AllowRule] = (),
+) -> tuple[Record, str, str] | None:
+    """The first record that made a non-finite value from finite inputs: (record, kind, origin).
+
+    A NaN producer's inputs held no NaN; an Inf producer's inputs (and Python scalars) were
+    finite. Module-level records count only when no op inside that call made or carried a
+    non-finite value (the op, when seen, is the better answer). With no producer, the first
+    record that received a non-finite value is returned with origin "input". Backward nodes fed
+    by watched nodes carry no incoming ranges (see ``Tracer._on_node``): they are judged by what
+    came before them in the pass.
+    """
+    tainted: set[int] = set()
+    intentional = False  # an infinity asked for (a -inf scalar, an allowed producer) was seen
+    first_bad_input: tuple[Record, str] | None = None
+    for rec in records:
+        out_nan, out_inf = _flags(ranges, rec.outputs)
+        if not (out_nan or out_inf):
+            continue
+        t_nan, t_inf = _flags(ranges, rec.inputs)
+        in_nan, in_inf = t_nan or rec.scalar_nan, t_inf or rec.scalar_inf
+        kind = "nan" if out_nan else "inf"
+        if rec.op is None and rec.node is None and rec.call is not None and id(rec.call) in tainted:
+            continue
+        if rec.op is not None and rec.call is not None:
+            tainted.update(id(c) for c in rec.call.ancestors())
+        produced = (out_nan and not in_nan) or (not out_nan and out_inf and not (in_nan or in_inf))
+        if produced and rec.node is not None and not rec.inputs and (first_bad_input or intentional):
+            # A backward node whose incoming gradient the tracer did not measure (watched ops sent
+            # it); a non-finite value is already about, so it may have carried that one.
+            produced = False
+        if produced:
+            if any(a.matches(rec.call, rec.op, kind) for a in allow):
+                intentional = True
+                continue
+            return rec, kind, "producer"
+        if (rec.scalar_nan or rec.scalar_inf) and not (t_nan or t_inf):
+            intentional = True
+        elif first_bad_input is None and not intentional and (t_nan or t_inf):
+            first_bad_input = (rec, "nan" if t_nan else "inf")
+    if first_bad_input is not None:
+        return first_bad_input[0], first_bad_input[1], "input"
+    return None
+
+
+class NanGuard:
+    """Watches a model for NaN/Inf, forward and backward; ``nan_guard`` documents the arguments.
+
+    Attributes:
+        events: what the checks found, oldest first (one per checked pass at most).
+        first: the first event, or None.
+        checks: how many passes were checked.
+    """
+
+    max_events = 1000
+
+    def __init__(
+        self,
+        model: nn.Module,
+        mode: Mode = "raise",
+        *,
+        allow: Sequence[str | AllowRule] = (),
+        ops: bool = True,
+        backward: bool = True,
+        scaler: Any = None,
+        locate: bool = True,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"nan_guard() watches an nn.Module, got {type(model).__name__}")
+        if mode not in _MODES:
+            raise ValueError(f"nan_guard mode {mode!r} is not one of {', '.join(_MODES)}")
+        self.model = model
+        self.mode: Mode = mode
+        self.allow = tuple(AllowRule.parse(a) for a in allow)
+        self.scaler = scaler
+        self.events: list[NonFiniteEvent] = []
+        self.checks = 0
+        self._warned: set[tuple] = set()
+        self._tracer = Tracer(
+            model, ops=ops, backward=backward, locate_ops=locate,
+            on_forward_end=self._forward_end, on_backward_start=self._backward_start,
+            on_backward_end=self._backward_end,
+        )
+
+    @classmethod
+    def from_flag(cls, model: nn.Module, flag: Any, *, scaler: Any = None) -> "NanGuard | None":
+        """The guard for ``MixedPrecision(nan_guard=flag)``: False/None (none), True ("raise"),
+        a mode name, or a dict of ``nan_guard`` keyword arguments."""
+        if flag is None or flag is False:
+            return None
+        if flag is True:
+            kwargs: dict[str, Any] = {}
+        elif isinstance(flag, str):
+            kwargs = {"mode": flag}
+        elif isinstance(flag, dict):
+            kwargs = dict(flag)
+        else:
+            raise TypeError(f"nan_guard must be a bool, a mode ({', '.join(_MODES)}) or a dict of options; got {flag!r}")
+        kwargs.setdefault("scaler", scaler)
+        return cls(model, **kwargs)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def attached(self) -> bool:
+        return self._tracer.attached
+
+    def attach(self) -> "NanGuard":
+        """Hook the model (ops inside its forward are watched while it runs)."""
+        self._tracer.attach()
+        return self
+
+    def detach(self) -> None:
+        """Remove every hook; the model is as it was."""
+        self._tracer.detach()
+
+    def __enter__(self) -> "NanGuard":
+        self.attach()
+        self._tracer.enter_scope()  # ops in the block outside the model (the loss) are watched too
+        self._tracer.outside_modules = True
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        try:
+            self._tracer.exit_scope()
+            if exc_type is None:
+                self.check()
+        finally:
+            self._tracer.outside_modules = False
+            self.detach()
+
+    # ------------------------------------------------------------------ checks
+
+    @property
+    def first(self) -> NonFiniteEvent | None:
+        return self.events[0] if self.events else None
+
+    def check(self) -> list[NonFiniteEvent]:
+        """Evaluate what was recorded since the last check (one host sync); returns new events."""
+        records, ranges = self._tracer.take()
+        if not records:
+            return []
+        new: list[NonFiniteEvent] = []
+        for phase in ("forward", "backward"):
+            recs = [r for r in records if r.phase == phase]
+            found = find_producer(recs, ranges, self.allow) if recs else None
+            if found is not None:
+                new.append(self._event(*found, ranges))
+        self.checks += 1
+        for ev in new:
+            self._report(ev)
+        return new
+
+    def _event(self, rec: Record, kind: str, origin: str, ranges: list[TensorRange]) -> NonFiniteEvent:
+        bad = [ranges[i] for i in rec.outputs if i is not None and not ranges[i].finite]
+        out = bad[0] if bad else ranges[next(i for i in rec.outputs if i is not None)]
+        ins = tuple(ranges[i] for i in rec.inputs if i is not None)
+        scale = self._scale() if rec.phase == "backward" and origin == "producer" else 1.0
+        call = rec.call
+        return NonFiniteEvent(
+            phase=rec.phase, module=None if call is None else call.name, module_type=None if call is None else call.type,
+            op=rec.op, node=rec.node, kind=kind, dtype=out.dtype, shape=out.shape, inputs=ins, origin=origin,
+            where=rec.where, step=self._tracer.forward_calls, scaled=scale > 1.0, scale=scale,
+        )
+
+    def _scale(self) -> float:
+        s = self.scaler
+        if s is None or not getattr(s, "is_enabled", lambda: False)():
+            return 1.0
+        t = getattr(s, "scale_tensor", None)
+        return float(t) if t is not None else float(s.get_scale())
+
+    def _report(self, ev: NonFiniteEvent) -> None:
+        if len(self.events) < self.max_events:
+            self.events.append(ev)
+        if ev.scaled or self.mode == "record":
+            return
+        if self.mode == "raise":
+            raise NonFiniteError(ev)
+        key = (ev.phase, ev.module, ev.op, ev.kind)
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(ev.describe(), NonFiniteWarning, stacklevel=2)
+
+    def _forward_end(self) -> None:
+        self.check()
+
+    def _backward_start(self) -> None:
+        self.check()  # ops between the model and backward (the loss), when the block watched them
+
+    def _backward_end(self) -> None:
+        self.check()
+
+    def summary(self) -> str:
+        if not self.events:
+            return f"nan_guard: no non-finite values in {self.checks} checked pass(es)"
+        return "\n\n".join(e.describe() for e in self.events[:5])
+
+
+def nan_guard(model: nn.Module, mode: Mode = "raise", **options: Any) -> NanGuard:
+    """A context manager that names the first module/op producing NaN or Inf, forward and backward.
+
+    Args:
+        model: the module to watch (with all its submodules).
+        mode: "raise" a ``NonFiniteError`` at the first check that finds one, "warn"
+            (``NonFiniteWarning``, once per place), or "record" (``guard.events`` only).
+
+    Options (keyword arguments of ``NanGuard``):
+        allow: intentional infinities: an op name (``"add"``), a module glob followed by a colon
+            (``"blocks.*.mask:"``) or both (``"blocks.*:add"``); or ``AllowRule`` for NaN too.
+            Infinities passed in as values (``masked_fill(m, -inf)``) need no entry.
+        ops: watch each torch call inside forwards (``q @ k.transpose(-2, -1)``), not only module outputs.
+        backward: watch gradients through the autograd nodes of guarded forwards.
+        scaler: a loss scaler; backward overflows while its scale is above 1 are reported as
+            scaled overflows (expected, the step is skipped) and never raised.
+        locate: note each op's source line (costs a frame walk per op).
+
+    >>> import torch
+    >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.LogSigmoid())
+    >>> with torch.no_grad(): _ = net[0].weight.fill_(-1e4)
+    >>> with nan_guard(net, mode="record") as guard:
+    ...     _ = net(torch.ones(1, 2)).log().sum()
+    >>> guard.first.module, guard.first.op, guard.first.kind
+    (None, 'log', 'nan')
+    """
+    return NanGuard(model, mode, **options)
