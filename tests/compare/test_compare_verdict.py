@@ -173,7 +173,9 @@ def test_too_short_to_judge_is_unjudged():
 def test_rule_resolves_defaults_from_steps_and_states_them():
     r = VerdictRule().resolve(200)
     assert (r.span, r.patience, r.warmup) == (10, 10, 10)
-    assert VerdictRule().resolve(20).span == 5 and VerdictRule().resolve(10_000).span == 50
+    assert VerdictRule().resolve(10_000).span == 50
+    short = VerdictRule().resolve(8)  # a short run is still judged on most of its steps
+    assert (short.span, short.patience, short.warmup) == (5, 2, 2)
     text = VerdictRule(factor=2.5).describe(200)
     for fragment in ("span 10", "2.5 x", "1%", "10 consecutive steps", "NON-FINITE", "DIVERGES", "TRACKS"):
         assert fragment in text

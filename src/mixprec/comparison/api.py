@@ -189,6 +189,8 @@ def compare(
             f"recipes {list(recipes)!r} name only fp32, the reference every recipe is judged against; "
             "add a recipe to compare with it, e.g. 'bf16-mixed'"
         )
+    if isinstance(task, Task) and task_kwargs:
+        raise ValueError("task_kwargs go to a task factory; a ready Task takes none (pass its factory instead)")
     the_task = load_task(task, **(task_kwargs or {}))
     check_task(the_task)
     n_steps = the_task.steps if steps is None else steps

@@ -53,6 +53,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "small to gain from more and lose 4x on a busy machine; else torch's choice)")
     parser.add_argument("--quiet", action="store_true", help="no progress and no table: one line per recipe")
     parser.add_argument("--json", action="store_true", help="print the result as JSON on stdout (progress goes to stderr)")
+    parser.add_argument("--traceback", action="store_true", help="show the full Python traceback of unexpected errors")
 
 
 def _positive_int(text: str) -> int:
@@ -79,11 +80,27 @@ def parse_task_args(items: list[str]) -> dict[str, Any]:
     return kwargs
 
 
-def _split_recipes(items: list[str] | None) -> tuple[str, ...] | None:
+def split_recipes(items: list[str] | None) -> tuple[str, ...] | None:
+    """``["fp32,bf16-mixed", "p=f32,c=f16"]`` -> ``("fp32", "bf16-mixed", "p=f32,c=f16")``.
+
+    Commas separate names, except inside a jmp policy string (an item with '='), whose commas are its own.
+    """
     if items is None:
         return None
-    names = tuple(n.strip() for item in items for n in item.split(",") if n.strip())
-    return names
+    names: list[str] = []
+    for item in items:
+        names += [item.strip()] if "=" in item else [n.strip() for n in item.split(",") if n.strip()]
+    return tuple(names)
+
+
+def default_threads(threads: int | None, task: str | None, device: str | None) -> int | None:
+    """1 for the built-in task on CPU unless asked otherwise: its ops are too small to gain from a
+    second intra-op thread, and on a busy machine spinning threads made runs 4-6x slower (measured).
+    Other tasks keep torch's choice (None)."""
+    if threads is not None:
+        return threads
+    on_cpu = device is None or device.startswith("cpu")  # device None on a CUDA machine: CPU threads hardly matter
+    return 1 if task is None and on_cpu else None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -96,15 +113,17 @@ def run(args: argparse.Namespace) -> int:
     from mixprec.tasks import TaskError
 
     err = Console(stderr=True)
+
+    def error(message: str) -> int:
+        err.print(f"error: {message}", markup=False, highlight=False)
+        return 2
+
     try:
         task_kwargs = parse_task_args(args.task_arg)
     except ValueError as e:
-        err.print(f"error: {e}", highlight=False)
-        return 2
-    threads = args.threads
-    if threads is None and args.task is None and (args.device or "cpu").startswith("cpu"):
-        threads = 1
-    recipes = _split_recipes(args.recipes) or DEFAULT_RECIPES
+        return error(str(e))
+    threads = default_threads(args.threads, args.task, args.device)
+    recipes = split_recipes(args.recipes) or DEFAULT_RECIPES
     progress = None if args.quiet else RichProgress(err)
     try:
         with progress if progress is not None else contextlib.nullcontext():
@@ -113,16 +132,14 @@ def run(args: argparse.Namespace) -> int:
                 out=args.out or DEFAULT_OUT, task_kwargs=task_kwargs, threads=threads,
                 progress=progress.on_step if progress else None, on_run=progress.on_run if progress else None,
             )
-    except (TaskError, ValueError, FileExistsError) as e:
-        err.print(f"error: {e}", highlight=False)
-        return 2
     except RunError as e:
-        err.print(f"error: {e}\n(an fp32 run failed, so nothing can be judged; run the task in plain fp32 to debug it)",
-                  highlight=False)
-        return 2
-    except RuntimeError as e:  # resolve_recipe: a recipe this device cannot run
-        err.print(f"error: {e}", highlight=False)
-        return 2
+        return error(f"{e}\n(an fp32 run failed, so nothing can be judged: debug the task in plain fp32 first)")
+    except (TaskError, ValueError, FileExistsError, RuntimeError) as e:  # RuntimeError: a recipe this device cannot run
+        return error(str(e))
+    except Exception as e:  # e.g. an exception raised while importing the task's module
+        if args.traceback:
+            raise
+        return error(f"{type(e).__name__}: {e} (run with --traceback for the full traceback)")
 
     if args.json:
         print(result.to_json())

@@ -43,5 +43,5 @@ class RichProgress:
             task_id = self._tasks[label] = self._progress.add_task(label, total=total, loss="-")
         fields: dict[str, Any] = {}
         if done % self.loss_every == 0 or done == total:
-            fields["loss"] = f"{float(loss):.4f}"
+            fields["loss"] = f"{float(loss):.5g}"
         self._progress.update(task_id, completed=done, total=total, **fields)

@@ -9,6 +9,7 @@ only written into when its ``compare.json`` came from ``mixprec compare``.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -79,7 +80,7 @@ _HEADERS = ["recipe", "verdict", "gap/band", "final loss", "step ms", "vs fp32",
 def _cells(row: dict[str, Any]) -> list[str]:
     verdict = row["verdict"] + (f" @{row['from_step']}" if row["from_step"] is not None else "")
     return [
-        row["recipe"], verdict, _fmt(row["ratio"], ".2f"), _fmt(row["final_loss"], ".4f"),
+        row["recipe"], verdict, _fmt(row["ratio"], ".2f"), _fmt(row["final_loss"], ".5g"),
         _fmt(row["step_ms"], ".1f"), _fmt(row["vs_fp32"], ".2f", "-") + "x", _fmt(row["skipped"], "d"),
         _fmt(row["peak_mib"], ".1f", "n/a"),
     ]
@@ -105,7 +106,7 @@ def print_summary(result: Any, console: Any = None) -> None:
     for row in rows[1:]:
         mark = "[green]ok[/green]" if row["ok"] else "[bold red]FAIL[/bold red]"
         console.print(f"  {mark} [bold]{row['recipe']}[/bold] {row['verdict']}: {row['message']}", highlight=False)
-    console.print(f"[dim]rule: {result.rule.describe(result.steps)}[/dim]", highlight=False)
+    console.print(f"[dim]rule: {result.rule.summary(result.steps)}[/dim]", highlight=False)
     if result.files:
         console.print(f"report: {result.files['html']}  (data: {result.files['json']}, {result.files['csv']})")
 
@@ -118,7 +119,7 @@ def write_report(result: Any, out: str | Path) -> dict[str, str]:
     path = check_out_dir(out)
     path.mkdir(parents=True, exist_ok=True)
     files = {key: str(path / name) for key, name in FILES.items()}
-    result.files = files
+    result = dataclasses.replace(result, files=files)  # the JSON lists the files; the caller's object is untouched
     png = save_png(comparison_figure(result), files["png"])
     Path(files["json"]).write_text(result.to_json(), encoding="utf-8")
     _write_csv(result, files["csv"])
@@ -160,7 +161,7 @@ def _write_html(result: Any, png: bytes, path: str) -> None:
     page.table(
         ["run", "recipe", "policy", "loss scaling", "seed", "steps", "final loss", "median step ms", "wall s", "note"],
         [[r.label, r.recipe, r.policy, r.loss_scaling, r.seed, f"{r.steps}/{r.steps_requested}",
-          _fmt(_tail_mean(r.loss), ".4f"), _fmt(r.median_step_s * 1e3, ".1f"), f"{r.wall_s:.1f}",
+          _fmt(_tail_mean(r.loss), ".5g"), _fmt(r.median_step_s * 1e3, ".1f"), f"{r.wall_s:.1f}",
           r.error or r.stopped or ""] for r in result.runs],
     )
     scaled = [v for v in result.verdicts.values() if v.scale]

@@ -51,8 +51,9 @@ class VerdictRule:
         span: EMA span in steps (default: steps / 20, clamped to [5, 50]).
         factor: band half-width as a multiple of fp32's largest seed-to-seed gap.
         floor: the band is never narrower than this fraction of the smoothed fp32 loss.
-        patience: consecutive out-of-band steps that make a divergence (default: the span).
-        warmup: leading steps not judged, while the average settles (default: the span).
+        patience: consecutive out-of-band steps that make a divergence (default: the span, at
+            most a quarter of the steps).
+        warmup: leading steps not judged, while the average settles (default: as patience).
     """
 
     span: int | None = None
@@ -74,11 +75,12 @@ class VerdictRule:
     def resolve(self, steps: int) -> VerdictRule:
         """The same rule with every ``None`` replaced by its value for a run of ``steps`` steps."""
         span = self.span if self.span is not None else int(min(50, max(5, round(steps / 20))))
+        quarter = max(1, steps // 4)  # short runs: still judge three quarters of the steps
         return dataclasses.replace(
             self,
             span=span,
-            patience=self.patience if self.patience is not None else span,
-            warmup=self.warmup if self.warmup is not None else span,
+            patience=self.patience if self.patience is not None else min(span, quarter),
+            warmup=self.warmup if self.warmup is not None else min(span, quarter),
         )
 
     def describe(self, steps: int) -> str:
@@ -90,6 +92,14 @@ class VerdictRule:
             f"a {r.span}-step window, and at least {r.floor:.0%} of the fp32 loss. Each recipe runs from "
             f"seed 0. NON-FINITE: a loss is inf or NaN at some step. DIVERGES: the smoothed loss is "
             f"outside the band for {r.patience} consecutive steps after step {r.warmup}. TRACKS: neither."
+        )
+
+    def summary(self, steps: int) -> str:
+        """The rule in one line, for the terminal."""
+        r = self.resolve(steps)
+        return (
+            f"EMA span {r.span}; band = {r.factor:g} x largest fp32 seed-to-seed gap (>= {r.floor:.0%} of loss); "
+            f"DIVERGES = outside the band {r.patience} steps in a row after step {r.warmup}"
         )
 
     def to_dict(self, steps: int) -> dict[str, Any]:
@@ -252,7 +262,7 @@ def judge(candidate: Curves, band: Band) -> Verdict:
     if start is None:
         msg = (
             f"within the fp32 noise band at every step after {r.warmup} (largest gap {ratio[worst]:.2f} x "
-            f"the band at step {worst + 1}); final smoothed loss {smooth[n - 1]:.4f} vs fp32 {band.center[n - 1]:.4f}"
+            f"the band at step {worst + 1}); final smoothed loss {smooth[n - 1]:.5g} vs fp32 {band.center[n - 1]:.5g}"
         )
         return Verdict(label, recipe, "TRACKS", msg, **common)
     direction = "above" if gap[worst] > 0 else "below"

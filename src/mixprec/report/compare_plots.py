@@ -15,7 +15,8 @@ from mixprec.report.figures import new_figure
 
 WIDTH_IN, HEIGHT_IN, DPI = 10.0, 7.5, 100  # the PNG is 1000 x 750 pixels
 _COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf"]
-_STATUS_STYLE = {"TRACKS": "-", "DIVERGES": "-", "NON-FINITE": "-", "ERROR": ":", "UNJUDGED": ":"}
+# recipes that track lie on top of each other: distinct dashes keep each one visible
+_DASHES = ["-", "--", "-.", (0, (1, 1)), (0, (5, 1, 1, 1, 1, 1))]
 
 
 def comparison_figure(result: Any):
@@ -45,7 +46,6 @@ def comparison_figure(result: Any):
         ax_loss.plot(x_ref, ref.loss, color="black", lw=0.6, alpha=0.15)
         # drawn wide and first: a recipe that tracks closely shows as a coloured line on a black edge
         ax_loss.plot(x_ref, ema(ref.loss, span), color="black", lw=3.2, label="fp32 (seed 0, reference)")
-        finite_values.append(ref.loss)
 
     scaled_any = False
     for i, run in enumerate(r for r in result.runs if r.role == "candidate"):
@@ -58,9 +58,10 @@ def comparison_figure(result: Any):
             ax_loss.plot(x[finite], run.loss[finite], color=color, lw=0.6, alpha=0.2)
             upto = int(np.argmin(finite)) if not finite.all() else len(run.loss)
             if upto > 0:
-                ax_loss.plot(x[:upto], ema(run.loss[:upto], span), color=color, lw=1.6,
-                             ls=_STATUS_STYLE.get(status, "-"), label=f"{run.label}: {status}")
-            finite_values.append(run.loss[finite])
+                smooth = ema(run.loss[:upto], span)
+                ax_loss.plot(x[:upto], smooth, color=color, lw=1.6, ls=_DASHES[i % len(_DASHES)],
+                             label=f"{run.label}: {status}")
+                finite_values.append(smooth)
         else:
             ax_loss.plot([], [], color=color, lw=1.6, label=f"{run.label}: {status}")
         if verdict is not None and verdict.first_step is not None:
@@ -81,7 +82,7 @@ def comparison_figure(result: Any):
     _limit_loss_axis(ax_loss, finite_values)
     ax_loss.set_ylabel(f"loss (EMA span {span}; raw faint)")
     ax_loss.set_title(f"{result.task} on {result.device}: {result.description or ''}".rstrip(": "), fontsize=10)
-    ax_loss.legend(loc="upper right", fontsize=8, framealpha=0.9)
+    ax_loss.legend(loc="best", fontsize=8, framealpha=0.9)
     ax_loss.grid(alpha=0.3)
 
     if scaled_any:
@@ -101,10 +102,11 @@ def comparison_figure(result: Any):
 
 
 def _limit_loss_axis(ax, values: list[np.ndarray]) -> None:
-    """Fit the y axis to the finite losses, so that one exploding curve does not flatten the rest."""
+    """Fit the y axis to the band and the smoothed curves (raw per-batch spikes may be clipped),
+    so that one exploding curve or noisy batch does not flatten the rest."""
     flat = np.concatenate([v[np.isfinite(v)] for v in values]) if values else np.zeros(0)
     if not len(flat):
         return
-    lo, hi = float(np.min(flat)), float(np.percentile(flat, 99.5))
-    pad = 0.05 * max(hi - lo, 1e-6)
+    lo, hi = float(np.min(flat)), float(np.max(flat))
+    pad = 0.05 * max(hi - lo, 1e-12 + 1e-6 * abs(hi))
     ax.set_ylim(lo - pad, hi + pad)
