@@ -19,6 +19,14 @@ def healthy_comparison(tmp_path_factory):
 
 
 @pytest.fixture(autouse=True)
+def _restore_sys_path(monkeypatch):
+    """'mixprec compare --task' puts the working directory on sys.path, as 'python -m' would; undo it."""
+    import sys
+
+    monkeypatch.setattr(sys, "path", list(sys.path))
+
+
+@pytest.fixture(autouse=True)
 def _one_torch_thread():
     """These models are tiny: a second intra-op thread gains nothing and, on a busy machine, costs
     several times over (threads spin at barriers). Restored after each test."""

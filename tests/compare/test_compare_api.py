@@ -106,4 +106,5 @@ def test_progress_and_run_callbacks_and_threads_are_restored():
     assert runs == [("fp32", 0, 4), ("fp32 (seed 1)", 1, 4), ("fp32 (seed 2)", 2, 4), ("bf16-mixed", 3, 4)]
     assert steps[:4] == [("fp32", k, 4) for k in (1, 2, 3, 4)] and len(steps) == 16
     assert seen_threads == {1} and torch.get_num_threads() == 2
+    assert result.threads == 1 and result.to_dict()["threads"] == 1
     assert result.ok

@@ -45,6 +45,7 @@ class ComparisonResult:
         band: the fp32 noise band (None when fp32 was not finite).
         rule: the verdict rule (``rule.describe(steps)`` states it).
         wall_s: the whole comparison.
+        threads: torch's CPU threads during the runs.
         files: report files written (name -> path), when ``out`` was given.
     """
 
@@ -57,6 +58,7 @@ class ComparisonResult:
     band: Band | None
     rule: VerdictRule
     wall_s: float
+    threads: int = 0
     files: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @property
@@ -92,7 +94,7 @@ class ComparisonResult:
             "python": platform.python_version(),
             "task": {"name": self.task, "description": self.description, "steps": self.steps},
             "device": self.device,
-            "threads": torch.get_num_threads(),
+            "threads": self.threads,
             "ok": self.ok,
             "wall_s": self.wall_s,
             "rule": self.rule.to_dict(self.steps),
@@ -203,6 +205,7 @@ def compare(
     verdicts: dict[str, Verdict] = {}
     band: Band | None = None
     with _torch_threads(threads):
+        threads_used = torch.get_num_threads()
         for index, (recipe, seed, role) in enumerate(plan):
             label = recipe.name if role != "noise" else f"{recipe.name} (seed {seed})"
             if on_run is not None:
@@ -231,6 +234,7 @@ def compare(
         band=band,
         rule=rule,
         wall_s=0.0,
+        threads=threads_used,
     )
     result.wall_s = time.perf_counter() - t_start
     if out is not None:
