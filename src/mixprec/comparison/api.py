@@ -185,10 +185,12 @@ def compare(
         check_out_dir(out)  # before training: a clash should not cost the user a minute of runs
     dev = as_device(device)
     reference_recipe = resolve_recipe(REFERENCE, dev)
-    candidates = [r for r in _resolve_all(recipes, dev) if r.name != reference_recipe.name]
+    resolved = _resolve_all(recipes, dev)
+    candidates = [r for r in resolved if r.name != reference_recipe.name]
     if not candidates:
+        why = "".join(f" ({r.reason})" for r in resolved if r.reason.startswith("auto"))
         raise ValueError(
-            f"recipes {list(recipes)!r} name only fp32, the reference every recipe is judged against; "
+            f"recipes {list(recipes)!r} name only fp32{why}, the reference every recipe is judged against; "
             "add a recipe to compare with it, e.g. 'bf16-mixed'"
         )
     if isinstance(task, Task) and task_kwargs:

@@ -74,7 +74,7 @@ def _fmt(value: Any, spec: str, missing: str = "-") -> str:
     return format(value, spec)
 
 
-_HEADERS = ["recipe", "verdict", "gap/band", "final loss", "step ms", "vs fp32", "skipped", "peak MiB"]
+_HEADERS = ["recipe", "verdict", "gap/band", "last-10 loss", "step ms", "vs fp32", "skipped", "peak MiB"]
 
 
 def _cells(row: dict[str, Any]) -> list[str]:

@@ -200,12 +200,13 @@ class _StepTimer:
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
+        self.stream = torch.cuda.current_stream(device) if self.cuda else None
         self.marks: list[Any] = []
 
     def mark(self) -> None:
         if self.cuda:
             event = torch.cuda.Event(enable_timing=True)
-            event.record()
+            event.record(self.stream)
             self.marks.append(event)
         else:
             self.marks.append(time.perf_counter())

@@ -73,11 +73,11 @@ def comparison_figure(result: Any):
             )
         if run.loss_scaling != "none" and len(run.scale):
             scaled_any = True
-            ax_scale.step(x, run.scale, where="post", color=color, lw=1.3, label=f"{run.label} loss scale")
             skipped = np.flatnonzero(run.skipped)
+            ax_scale.step(x, run.scale, where="post", color=color, lw=1.3,
+                          label=f"{run.label} loss scale ({len(skipped)} skipped steps)")
             if len(skipped):
-                ax_scale.plot(x[skipped], run.scale[skipped], "v", color=color, ms=5, mec="black", mew=0.5,
-                              label=f"{run.label}: {len(skipped)} skipped steps")
+                ax_scale.plot(x[skipped], run.scale[skipped], "v", color=color, ms=5, mec="black", mew=0.5)
 
     _limit_loss_axis(ax_loss, finite_values)
     ax_loss.set_ylabel(f"loss (EMA span {span}; raw faint)")
