@@ -47,7 +47,11 @@ _EXPORTS: dict[str, str] = {
     "Task": "mixprec.tasks",
     "load_task": "mixprec.tasks",
     # compare (issue 3)
-
+    "compare": "mixprec.comparison.api",
+    "ComparisonResult": "mixprec.comparison.api",
+    "Verdict": "mixprec.comparison.verdict",
+    "VerdictRule": "mixprec.comparison.verdict",
+    "RunResult": "mixprec.comparison.runner",
     # diagnostics (issue 4)
     "nan_guard": "mixprec.diagnostics.guard",
     "NanGuard": "mixprec.diagnostics.guard",

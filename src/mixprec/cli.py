@@ -14,6 +14,7 @@ import sys
 # subcommand -> module. The order here is the order in --help.
 SUBCOMMANDS: dict[str, str] = {
     # compare (issue 3)
+    "compare": "mixprec.comparison.cli",
     "recipes": "mixprec.recipes_cli",
     # doctor (issue 4)
     "doctor": "mixprec.diagnostics.cli",

@@ -90,15 +90,20 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 def make_task(
     steps: int = 200,
-    batch_size: int = 16,
-    seq_len: int = 64,
-    d_model: int = 64,
+    batch_size: int = 8,
+    seq_len: int = 32,
+    d_model: int = 48,
     n_layer: int = 2,
     n_head: int = 4,
     lr: float = 3e-3,
     data_seed: int = 1234,
 ) -> Task:
-    """The built-in character-level GPT task (the default of ``compare`` and ``doctor``)."""
+    """The built-in character-level GPT task (the default of ``compare`` and ``doctor``).
+
+    The defaults are sized for CPUs without native 16-bit matmul (bf16/fp16 are emulated there,
+    3-5x slower than fp32 per step): the default ``mixprec compare`` (five runs of 200 steps) takes
+    about a minute on two cores, and the loss still falls from ~4.6 (uniform over 96 symbols) to ~2.6.
+    """
     data = corpus()
 
     def get_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:

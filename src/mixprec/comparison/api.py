@@ -1,0 +1,268 @@
+"""``compare()``: train a task under each recipe and fp32 from several seeds, and judge the curves.
+
+>>> result = compare(recipes=("fp32", "bf16-mixed"), steps=30, task_kwargs={"d_model": 16})  # doctest: +SKIP
+>>> result.ok, result.verdicts["bf16-mixed"].status  # doctest: +SKIP
+(True, 'TRACKS')
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import platform
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+import mixprec
+from mixprec.comparison.runner import ProgressFn, RunResult, check_task, run_recipe
+from mixprec.comparison.verdict import Band, Verdict, VerdictRule, fp32_band, judge
+from mixprec.recipes import Recipe, as_device, resolve_recipe
+from mixprec.tasks import Task, load_task
+
+DEFAULT_RECIPES = ("fp32", "bf16-mixed", "fp16-mixed")
+REFERENCE = "fp32"
+REFERENCE_SEED = 0
+MIN_NOISE_SEEDS = 2
+
+#: called as ``on_run(label, index, total)`` before each run starts
+RunStartFn = Callable[[str, int, int], None]
+
+
+@dataclasses.dataclass
+class ComparisonResult:
+    """What ``compare`` measured and decided.
+
+    Attributes:
+        task: the task's name; ``description`` its one line.
+        device: where it ran.
+        steps: optimizer steps per run.
+        runs: every run: the fp32 reference (seed 0), fp32 noise runs, then the candidates.
+        verdicts: recipe name -> ``Verdict``, for each candidate recipe (fp32 itself is the reference).
+        band: the fp32 noise band (None when fp32 was not finite).
+        rule: the verdict rule (``rule.describe(steps)`` states it).
+        wall_s: the whole comparison.
+        threads: torch's CPU threads during the runs.
+        files: report files written (name -> path), when ``out`` was given.
+    """
+
+    task: str
+    description: str
+    device: str
+    steps: int
+    runs: list[RunResult]
+    verdicts: dict[str, Verdict]
+    band: Band | None
+    rule: VerdictRule
+    wall_s: float
+    threads: int = 0
+    files: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        """True when every candidate recipe TRACKS fp32 (and there was a finite fp32 to track)."""
+        return bool(self.verdicts) and all(v.ok for v in self.verdicts.values())
+
+    @property
+    def reference(self) -> RunResult:
+        return next(r for r in self.runs if r.role == "reference")
+
+    @property
+    def noise(self) -> list[RunResult]:
+        return [r for r in self.runs if r.role == "noise"]
+
+    def run_for(self, recipe: str) -> RunResult:
+        """The seed-0 run of ``recipe`` (the reference for fp32)."""
+        for r in self.runs:
+            if r.recipe == recipe and r.role != "noise":
+                return r
+        raise KeyError(f"no run for recipe {recipe!r}; recipes run: {[r.recipe for r in self.runs if r.role != 'noise']}")
+
+    def step_time_ratio(self, recipe: str) -> float:
+        """Median step time of ``recipe`` over fp32's (all fp32 runs pooled); > 1 means slower."""
+        fp32 = [r.median_step_s for r in self.runs if r.role in ("reference", "noise")]
+        return self.run_for(recipe).median_step_s / float(sorted(fp32)[len(fp32) // 2])
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "mixprec_compare": 1,
+            "mixprec": mixprec.__version__,
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "task": {"name": self.task, "description": self.description, "steps": self.steps},
+            "device": self.device,
+            "threads": self.threads,
+            "ok": self.ok,
+            "wall_s": self.wall_s,
+            "rule": self.rule.to_dict(self.steps),
+            "verdicts": {k: v.to_dict() for k, v in self.verdicts.items()},
+            "step_time_ratio_vs_fp32": {
+                r.recipe: _round(self.step_time_ratio(r.recipe)) for r in self.runs if r.role != "noise"
+            },
+            "band": None if self.band is None else {
+                "center": self.band.center.tolist(),
+                "width": self.band.width.tolist(),
+                "noise_gap": self.band.noise_gap.tolist(),
+            },
+            "runs": [r.to_dict() for r in self.runs],
+            "files": dict(self.files),
+        }
+
+    def to_json(self, indent: int | None = 2) -> str:
+        import json
+
+        return json.dumps(self.to_dict(), indent=indent, allow_nan=False)
+
+
+def _round(x: float) -> float | None:
+    return round(x, 4) if x == x and abs(x) != float("inf") else None
+
+
+def _resolve_all(recipes: Sequence[str | Recipe], device: torch.device) -> list[Recipe]:
+    """Resolve every recipe before training anything: a typo should not cost a minute of fp32 runs."""
+    if isinstance(recipes, (str, Recipe)):
+        recipes = [recipes]
+    resolved: list[Recipe] = []
+    for spec in recipes:
+        recipe = resolve_recipe(spec, device)
+        if all(r.name != recipe.name for r in resolved):
+            resolved.append(recipe)
+    if not resolved:
+        raise ValueError("compare needs at least one recipe, e.g. recipes=('bf16-mixed',)")
+    return resolved
+
+
+def compare(
+    task: str | Task | Callable[..., Task] | None = None,
+    recipes: Sequence[str | Recipe] = DEFAULT_RECIPES,
+    *,
+    steps: int | None = None,
+    seeds: int = MIN_NOISE_SEEDS,
+    device: str | torch.device | None = None,
+    out: str | None = None,
+    rule: VerdictRule | None = None,
+    task_kwargs: dict[str, Any] | None = None,
+    threads: int | None = None,
+    progress: ProgressFn | None = None,
+    on_run: RunStartFn | None = None,
+) -> ComparisonResult:
+    """Train ``task`` under each recipe and under fp32 from ``1 + seeds`` seeds; judge every recipe.
+
+    Args:
+        task: ``"module:function"``, a factory, a ``Task``, or None for the built-in char-level GPT.
+        recipes: names ``resolve_recipe`` accepts or ``Recipe`` objects. fp32 always runs (seed 0)
+            as the reference; listing it only shows it in the report.
+        steps: optimizer steps per run (default: the task's).
+        seeds: extra fp32 runs (seeds 1..seeds) that measure the noise; at least 2.
+        device: "cpu", "cuda", ... (default: CUDA when available).
+        out: a directory for the report (HTML, PNG, JSON, CSV); None writes nothing.
+        rule: the verdict rule (default ``VerdictRule()``).
+        task_kwargs: keyword arguments for the task factory.
+        threads: torch CPU threads for the runs (restored afterwards); None leaves torch's setting.
+        progress: called after every step (see ``runner.ProgressFn``).
+        on_run: called before each run with ``(label, index, total)``.
+
+    Raises ``TaskError`` for a task that cannot be used, ``ValueError`` for unknown recipes or bad
+    arguments, ``RuntimeError`` for a recipe this device cannot run, ``RunError`` when an fp32
+    run fails. A candidate recipe that fails while training gets the verdict ERROR instead.
+    """
+    t_start = time.perf_counter()
+    if not isinstance(seeds, int) or seeds < MIN_NOISE_SEEDS:
+        raise ValueError(
+            f"seeds={seeds!r}: the noise band needs at least {MIN_NOISE_SEEDS} fp32 runs from other seeds "
+            "(one gap is an anecdote, not a spread)"
+        )
+    if steps is not None and (not isinstance(steps, int) or steps < 2):
+        raise ValueError(f"steps={steps!r}: need an integer >= 2")
+    if threads is not None and (not isinstance(threads, int) or threads < 1):
+        raise ValueError(f"threads={threads!r}: need a positive integer or None")
+    if out is not None:
+        from mixprec.comparison.report import check_out_dir
+
+        check_out_dir(out)  # before training: a clash should not cost the user a minute of runs
+    dev = as_device(device)
+    reference_recipe = resolve_recipe(REFERENCE, dev)
+    resolved = _resolve_all(recipes, dev)
+    candidates = [r for r in resolved if r.name != reference_recipe.name]
+    if not candidates:
+        why = "".join(f" ({r.reason})" for r in resolved if r.reason.startswith("auto"))
+        raise ValueError(
+            f"recipes {list(recipes)!r} name only fp32{why}, the reference every recipe is judged against; "
+            "add a recipe to compare with it, e.g. 'bf16-mixed'"
+        )
+    if isinstance(task, Task) and task_kwargs:
+        raise ValueError("task_kwargs go to a task factory; a ready Task takes none (pass its factory instead)")
+    the_task = load_task(task, **(task_kwargs or {}))
+    check_task(the_task)
+    n_steps = the_task.steps if steps is None else steps
+    rule = rule or VerdictRule()
+
+    plan: list[tuple[Recipe, int, str]] = [(reference_recipe, REFERENCE_SEED, "reference")]
+    plan += [(reference_recipe, REFERENCE_SEED + i, "noise") for i in range(1, seeds + 1)]
+    plan += [(r, REFERENCE_SEED, "candidate") for r in candidates]
+    runs: list[RunResult] = []
+    verdicts: dict[str, Verdict] = {}
+    band: Band | None = None
+    with _torch_threads(threads):
+        threads_used = torch.get_num_threads()
+        for index, (recipe, seed, role) in enumerate(plan):
+            label = recipe.name if role != "noise" else f"{recipe.name} (seed {seed})"
+            if on_run is not None:
+                on_run(label, index, len(plan))
+            run = run_recipe(the_task, recipe, seed=seed, steps=n_steps, device=dev, role=role,  # type: ignore[arg-type]
+                             label=label, progress=progress)
+            runs.append(run)
+            if role != "candidate" and not np.isfinite(run.loss).all():
+                # check 1 of the debugging order: if fp32 is not finite either, the precision is not the fault
+                why = _fp32_failed(run)
+                verdicts = {r.name: Verdict(r.name, r.name, "UNJUDGED", why) for r in candidates}
+                break
+            if role == "noise" and seed == REFERENCE_SEED + seeds:
+                band = fp32_band(runs[0].loss, [r.loss for r in runs[1:]], rule)
+            if role == "candidate":
+                assert band is not None
+                verdicts[recipe.name] = judge(run, band)
+
+    result = ComparisonResult(
+        task=the_task.name,
+        description=the_task.description,
+        device=str(dev),
+        steps=n_steps,
+        runs=runs,
+        verdicts=verdicts,
+        band=band,
+        rule=rule,
+        wall_s=0.0,
+        threads=threads_used,
+    )
+    result.wall_s = time.perf_counter() - t_start
+    if out is not None:
+        from mixprec.comparison.report import write_report
+
+        result.files = write_report(result, out)
+    return result
+
+
+@contextlib.contextmanager
+def _torch_threads(threads: int | None) -> Iterator[None]:
+    """Set torch's CPU threads for the runs and restore them after (None: leave them alone)."""
+    if threads is None:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _fp32_failed(run: RunResult) -> str:
+    bad = np.flatnonzero(~np.isfinite(run.loss))
+    return (
+        f"fp32 itself ({run.label}) has a non-finite loss at step {int(bad[0]) + 1}: the fault is not the "
+        "precision. Fix the model, data or learning rate in fp32 first (check 1 of the debugging order)."
+    )

@@ -1,0 +1,325 @@
+"""Train one task under one recipe from one seed, and record what every step did.
+
+A run reads nothing from the device while it trains, except what the progress display asks for
+and a cheap finiteness check every few steps: the per-step ``StepStats`` are device tensors,
+stacked and copied to the host once at the end.
+
+What a seed controls: ``torch.manual_seed(seed)`` runs just before ``task.build_model()``, so it
+sets the model's initial weights (and any randomness in the forward, such as dropout). The data
+does not depend on it: ``task.get_batch(step)`` is the same for every run, which ``check_task``
+verifies before training.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from torch import nn
+
+from mixprec.recipes import Recipe
+from mixprec.tasks import Task, TaskError, to_device
+from mixprec.training import MixedPrecision
+
+Role = Literal["reference", "noise", "candidate"]
+
+#: called as ``progress(run_label, steps_done, steps_total, latest_loss_tensor)`` after each step
+ProgressFn = Callable[[str, int, int, torch.Tensor], None]
+
+
+class RunError(RuntimeError):
+    """A run failed while training; ``label`` and ``step`` say which run and where."""
+
+    def __init__(self, label: str, step: int, error: BaseException) -> None:
+        self.label, self.step, self.error = label, step, error
+        super().__init__(f"{label} failed at step {step}: {type(error).__name__}: {error}")
+
+
+@dataclasses.dataclass
+class RunResult:
+    """One training run: its identity and per-step records (host numpy arrays, one entry per step).
+
+    Attributes:
+        label: e.g. ``"fp32 (seed 1)"``.
+        recipe: the recipe's name; ``policy`` and ``loss_scaling`` describe it.
+        seed: the ``torch.manual_seed`` before ``build_model``.
+        role: ``reference`` (fp32, seed 0), ``noise`` (fp32, other seeds) or ``candidate``.
+        loss: the unscaled fp32 loss of each step (NaN/inf kept as they were).
+        grad_norm: total gradient norm before clipping.
+        scale: the loss scale each step's backward used (1.0 without a scaler).
+        skipped: whether each optimizer step was skipped for inf/NaN gradients.
+        step_time_s: wall time of each step (batch, forward, backward, optimizer).
+        peak_memory_bytes: peak allocated device memory (CUDA); None where not measurable (CPU).
+        wall_s: the whole run, model building included.
+        steps_requested: the steps asked for; ``len(loss)`` is less when the run stopped early.
+        stopped: why the run stopped early (None when it ran all steps).
+        error: the failure of a candidate run that raised (its records end at the failing step).
+    """
+
+    label: str
+    recipe: str
+    policy: str
+    loss_scaling: str
+    seed: int
+    role: Role
+    loss: np.ndarray
+    grad_norm: np.ndarray
+    scale: np.ndarray
+    skipped: np.ndarray
+    step_time_s: np.ndarray
+    peak_memory_bytes: int | None
+    wall_s: float
+    steps_requested: int
+    stopped: str | None = None
+    error: str | None = None
+
+    @property
+    def steps(self) -> int:
+        return len(self.loss)
+
+    @property
+    def skipped_steps(self) -> int:
+        return int(self.skipped.sum())
+
+    @property
+    def median_step_s(self) -> float:
+        """Median step time, the first step (allocation, autocast cache, warm-up) left out."""
+        t = self.step_time_s[1:] if len(self.step_time_s) > 1 else self.step_time_s
+        return float(np.median(t)) if len(t) else float("nan")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "label": self.label,
+            "recipe": self.recipe,
+            "policy": self.policy,
+            "loss_scaling": self.loss_scaling,
+            "seed": self.seed,
+            "role": self.role,
+            "steps": self.steps,
+            "steps_requested": self.steps_requested,
+            "stopped": self.stopped,
+            "error": self.error,
+            "wall_s": self.wall_s,
+            "median_step_s": _finite_or_none(self.median_step_s),
+            "peak_memory_bytes": self.peak_memory_bytes,
+            "skipped_steps": self.skipped_steps,
+            "curves": {
+                "loss": _json_list(self.loss),
+                "grad_norm": _json_list(self.grad_norm),
+                "scale": _json_list(self.scale),
+                "skipped": [bool(s) for s in self.skipped],
+                "step_time_s": _json_list(self.step_time_s),
+            },
+        }
+
+
+def _finite_or_none(x: float) -> float | None:
+    return float(x) if np.isfinite(x) else None
+
+
+def _json_list(a: np.ndarray) -> list[float | None]:
+    """Floats for JSON; NaN and inf become null (strict JSON has neither; the verdict keeps them)."""
+    return [float(v) if np.isfinite(v) else None for v in a.tolist()]
+
+
+# ---------------------------------------------------------------------------- checks
+
+
+def check_task(task: Task) -> None:
+    """Refuse tasks whose data changes with the global seed: every run must see the same batches.
+
+    Draws batches 0 and 1 under two different global seeds and compares them.
+    """
+    draws = []
+    state = torch.random.get_rng_state()
+    try:
+        for seed in (12345, 54321):
+            torch.manual_seed(seed)
+            draws.append([_call_get_batch(task, step) for step in (0, 1)])
+    finally:
+        torch.random.set_rng_state(state)
+    if not _same_nest(draws[0], draws[1]):
+        raise TaskError(
+            f"task {task.name!r}: get_batch(step) returned different batches under different global seeds. "
+            "compare needs the same data in every run (only the model's initialisation changes with the "
+            "seed); draw batches with a torch.Generator seeded from the step, e.g. "
+            "torch.Generator().manual_seed(1000 + step)."
+        )
+
+
+def _call_get_batch(task: Task, step: int) -> tuple[Any, Any]:
+    batch = task.get_batch(step)
+    if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+        raise TaskError(
+            f"task {task.name!r}: get_batch({step}) returned {type(batch).__name__}"
+            f"{'' if not isinstance(batch, (tuple, list)) else f' of length {len(batch)}'}; "
+            "expected a pair (inputs, targets)"
+        )
+    return batch[0], batch[1]
+
+
+def _same_nest(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (
+            isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+            and a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a, b))
+        )
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same_nest(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same_nest(x, y) for x, y in zip(a, b))
+    try:
+        return bool(a == b)
+    except Exception:  # objects without a usable ==: cannot check, do not refuse
+        return True
+
+
+def _build_model(task: Task, seed: int, device: torch.device) -> nn.Module:
+    torch.manual_seed(seed)
+    model = task.build_model()
+    if not isinstance(model, nn.Module):
+        raise TaskError(
+            f"task {task.name!r}: build_model() returned {type(model).__name__}, expected a torch.nn.Module"
+        )
+    return model.to(device)
+
+
+# ---------------------------------------------------------------------------- timing
+
+
+class _StepTimer:
+    """Per-step wall times without a host sync per step.
+
+    CPU ops run synchronously, so ``perf_counter`` between steps is the step time. CUDA work is
+    queued: there, events recorded between steps are read once at the end.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.stream = torch.cuda.current_stream(device) if self.cuda else None
+        self.marks: list[Any] = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record(self.stream)
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def durations(self) -> np.ndarray:
+        if len(self.marks) < 2:
+            return np.zeros(0)
+        if self.cuda:
+            self.marks[-1].synchronize()
+            return np.array([a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:])])
+        return np.diff(np.array(self.marks))
+
+
+# ---------------------------------------------------------------------------- one run
+
+
+def run_recipe(
+    task: Task,
+    recipe: str | Recipe,
+    *,
+    seed: int = 0,
+    steps: int | None = None,
+    device: str | torch.device = "cpu",
+    role: Role = "candidate",
+    label: str | None = None,
+    progress: ProgressFn | None = None,
+    stop_after_nonfinite: int = 10,
+) -> RunResult:
+    """Train ``task`` for ``steps`` optimizer steps under ``recipe`` after ``torch.manual_seed(seed)``.
+
+    The run stops early once the loss has been non-finite for ``stop_after_nonfinite`` steps in a
+    row (nothing after that can recover: the weights are NaN). Raises ``TaskError`` when the task
+    returns the wrong things, and ``RunError`` (with the step) when training raises.
+    """
+    steps = task.steps if steps is None else int(steps)
+    mp = MixedPrecision(recipe, device, track_grad_norm=True)
+    dev = mp.device
+    name = mp.recipe.name
+    label = label or (name if role != "noise" else f"{name} (seed {seed})")
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    t_start = time.perf_counter()
+    model = _build_model(task, seed, dev)
+    try:
+        model = mp.prepare(model)
+    except ValueError as e:
+        raise TaskError(f"task {task.name!r} under recipe {name!r}: {e}") from None
+    optimizer = task.build_optimizer(model.parameters())
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TaskError(
+            f"task {task.name!r}: build_optimizer() returned {type(optimizer).__name__}, expected a "
+            "torch.optim.Optimizer"
+        )
+
+    records: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    timer = _StepTimer(dev)
+    stopped = error = None
+    check_every = 1 if dev.type == "cpu" else 10  # a CPU read is free; on CUDA it is a sync
+    timer.mark()
+    for step in range(steps):
+        try:
+            inputs, targets = _call_get_batch(task, step)
+            inputs, targets = to_device(inputs, dev), to_device(targets, dev)
+            with mp.autocast():
+                outputs = task.run_forward(model, inputs)
+            loss = task.loss_fn(outputs, targets)
+            stats = mp.step(loss, optimizer, max_grad_norm=task.max_grad_norm)
+        except TaskError:
+            raise
+        except Exception as e:  # in a candidate: a recipe this device or model cannot run
+            if role == "candidate":
+                error = RunError(label, step, e)
+                break
+            if step == 0 and isinstance(e, (TypeError, ValueError)):
+                # the first step of the reference run: the task does not fit the protocol
+                raise TaskError(f"task {task.name!r}, step 0 under {name!r}: {type(e).__name__}: {e}") from None
+            raise RunError(label, step, e) from e
+        timer.mark()
+        grad_norm = stats.grad_norm if stats.grad_norm is not None else torch.full((), float("nan"), device=dev)
+        records.append((stats.loss.detach().float(), grad_norm.detach().float(), stats.scale.detach().float(), stats.skipped))
+        if progress is not None:
+            progress(label, step + 1, steps, stats.loss)
+        n_bad = stop_after_nonfinite
+        if (step + 1) % check_every == 0 and len(records) >= n_bad:
+            recent = torch.stack([r[0] for r in records[-n_bad:]])
+            if not bool(torch.isfinite(recent).any()):
+                stopped = f"the loss was non-finite for {n_bad} steps in a row; stopped at step {step + 1}"
+                break
+
+    durations = timer.durations()
+    if records:
+        loss_t, gn_t, scale_t, skipped_t = (torch.stack(col).cpu() for col in zip(*records))
+        loss_a, gn_a, scale_a = (t.double().numpy() for t in (loss_t, gn_t, scale_t))
+        skipped_a = skipped_t.bool().numpy()
+    else:
+        loss_a = gn_a = scale_a = np.zeros(0)
+        skipped_a = np.zeros(0, dtype=bool)
+    peak = int(torch.cuda.max_memory_allocated(dev)) if dev.type == "cuda" else None
+    return RunResult(
+        label=label,
+        recipe=name,
+        policy=str(mp.recipe.policy),
+        loss_scaling=mp.recipe.loss_scaling,
+        seed=seed,
+        role=role,
+        loss=loss_a,
+        grad_norm=gn_a,
+        scale=scale_a,
+        skipped=skipped_a,
+        step_time_s=durations[: len(loss_a)],
+        peak_memory_bytes=peak,
+        wall_s=time.perf_counter() - t_start,
+        steps_requested=steps,
+        stopped=stopped,
+        error=None if error is None else str(error),
+    )

@@ -1,0 +1,129 @@
+"""``mixprec compare`` on the command line: help, bad arguments, exit codes, output modes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from mixprec.cli import main
+from mixprec.comparison.cli import default_threads, parse_task_args, split_recipes
+
+OVERFLOW = "compare_faults:make_overflow_task"  # fp16 overflows in the forward; fp32 and bf16 are fine
+
+
+def _run(argv, capsys):
+    code = main(["compare", *argv])
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err
+    return code, out, err
+
+
+def test_help_describes_options_and_exit_status(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["compare", "--help"])
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    for fragment in ("--task", "--recipes", "--steps", "--noise-seeds", "--device", "--out", "--quiet", "--json",
+                     "exit status", "MODULE:FUNCTION"):
+        assert fragment in text
+
+
+def test_top_level_help_lists_compare(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "compare" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv", [["--steps", "0"], ["--steps", "many"], ["--noise-seeds", "-1"], ["--bogus"]])
+def test_malformed_arguments_exit_2_from_argparse(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["compare", *argv])
+    assert exc.value.code == 2
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--noise-seeds", "1"], "at least 2"),
+        (["--recipes", "bf61-mixed"], "Unknown recipe 'bf61-mixed'"),
+        (["--task", "no_such_module_xyz:make_task"], "cannot import module 'no_such_module_xyz'"),
+        (["--task", "compare_faults:no_such_factory"], "has no attribute 'no_such_factory'"),
+        (["--task", "compare_faults"], "must look like 'package.module:function'"),
+        (["--task", "compare_bad_tasks:not_a_task"], "expected mixprec.tasks.Task"),
+        (["--task", "compare_bad_tasks:batch_is_not_a_pair"], "expected a pair"),
+        (["--task-arg", "oops"], "expected KEY=VALUE"),
+        (["--task", OVERFLOW, "--task-arg", "depth=3"], "does not accept arguments ['depth']"),
+    ],
+)
+def test_unusable_input_exits_2_with_a_clear_message(argv, message, capsys, tmp_path):
+    code, out, err = _run([*argv, "--out", str(tmp_path / "r")], capsys)
+    assert code == 2
+    assert message in " ".join(err.split())  # rich may wrap long lines
+    assert not (tmp_path / "r").exists()  # failed before writing anything
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_device_that_cannot_run_exits_2(capsys, tmp_path):
+    code, _, err = _run(["--task", OVERFLOW, "--device", "cuda", "--out", str(tmp_path)], capsys)
+    assert code == 2 and "CUDA is not available" in " ".join(err.split())
+
+
+def test_foreign_files_in_out_dir_exit_2(capsys, tmp_path):
+    (tmp_path / "compare.png").write_bytes(b"not ours")
+    code, _, err = _run(["--task", OVERFLOW, "--out", str(tmp_path)], capsys)
+    assert code == 2 and "not written by 'mixprec compare'" in " ".join(err.split())
+
+
+def test_failing_recipe_exits_1_and_names_it(capsys, tmp_path):
+    code, out, err = _run(["--task", OVERFLOW, "--recipes", "bf16-mixed,fp16-mixed", "--steps", "20",
+                           "--out", str(tmp_path / "r")], capsys)
+    assert code == 1
+    assert "NON-FINITE" in out and "fp16-mixed" in out and "TRACKS" in out
+    assert (tmp_path / "r" / "compare.html").is_file()
+    assert "fp16-mixed" in err  # the progress display
+
+
+def test_passing_recipes_exit_0_quietly(capsys, tmp_path):
+    code, out, err = _run(["--task", OVERFLOW, "--recipes", "bf16-mixed", "--steps", "20", "--quiet",
+                           "--out", str(tmp_path / "r")], capsys)
+    assert code == 0
+    assert out.splitlines()[0].startswith("bf16-mixed: TRACKS")
+    assert err == ""  # no progress when quiet
+
+
+def test_json_mode_prints_parseable_result(capsys, tmp_path):
+    code, out, _ = _run(["--task", OVERFLOW, "--recipes", "p=f32,c=bf16,o=f32", "--steps", "20", "--json",
+                         "--out", str(tmp_path / "r")], capsys)
+    data = json.loads(out)
+    assert code == 0 and data["ok"] is True
+    assert list(data["verdicts"]) == ["p=f32,c=bf16,o=f32"]
+    assert data["files"]["json"].endswith("compare.json")
+
+
+def test_default_out_dir_is_under_mixprec_report(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, _, _ = _run(["--task", OVERFLOW, "--recipes", "bf16-mixed", "--steps", "10", "--quiet"], capsys)
+    assert code == 0 and (tmp_path / "mixprec-report" / "compare" / "compare.json").is_file()
+
+
+def test_recipes_split_on_commas_except_inside_policy_strings():
+    assert split_recipes(["fp32,bf16-mixed", "p=f32,c=f16", "fp16-mixed"]) == ("fp32", "bf16-mixed", "p=f32,c=f16", "fp16-mixed")
+    assert split_recipes(None) is None
+
+
+def test_task_args_parse_python_literals_else_strings():
+    assert parse_task_args(["d_model=64", "lr=3e-3", "name=abc", "flag=True"]) == {
+        "d_model": 64, "lr": 3e-3, "name": "abc", "flag": True,
+    }
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        parse_task_args(["1x=3"])
+
+
+def test_builtin_task_on_cpu_defaults_to_one_thread():
+    assert default_threads(None, None, None) == 1
+    assert default_threads(None, None, "cpu") == 1
+    assert default_threads(None, "pkg.mod:make", "cpu") is None  # a user's model: torch's choice
+    assert default_threads(None, None, "cuda") is None
+    assert default_threads(3, None, "cpu") == 3
