@@ -9,13 +9,3 @@ import torch
 
 torch.set_num_threads(1)
 
-
-def src_env() -> dict[str, str]:
-    """Environment for subprocesses: import mixprec from this checkout's src/, installed or not."""
-    import os
-    from pathlib import Path
-
-    src = str(Path(__file__).resolve().parents[1] / "src")
-    env = dict(os.environ)
-    env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    return env

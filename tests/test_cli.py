@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from conftest import src_env
+from mixprec_test_env import src_env
 from mixprec.cli import main
 
 

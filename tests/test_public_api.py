@@ -9,7 +9,7 @@ import sys
 import pytest
 
 import mixprec
-from conftest import src_env
+from mixprec_test_env import src_env
 
 CORE = {
     "FloatFormat", "get_format", "Policy", "get_policy", "Recipe", "get_recipe", "resolve_recipe",

@@ -46,13 +46,13 @@ _EXPORTS: dict[str, str] = {
     # tasks (the protocol compare and doctor train)
     "Task": "mixprec.tasks",
     "load_task": "mixprec.tasks",
-    # compare (issue 3)
+    # compare
     "compare": "mixprec.comparison.api",
     "ComparisonResult": "mixprec.comparison.api",
     "Verdict": "mixprec.comparison.verdict",
     "VerdictRule": "mixprec.comparison.verdict",
     "RunResult": "mixprec.comparison.runner",
-    # diagnostics (issue 4)
+    # diagnostics
     "nan_guard": "mixprec.diagnostics.guard",
     "NanGuard": "mixprec.diagnostics.guard",
     "NonFiniteError": "mixprec.diagnostics.guard",
@@ -64,20 +64,16 @@ _EXPORTS: dict[str, str] = {
     "ScaleMonitor": "mixprec.diagnostics.scale_monitor",
     "diagnose_scale": "mixprec.diagnostics.scale_monitor",
     "doctor": "mixprec.diagnostics.doctor",
-
-    # master weights and memory (issue 5)
+    # master weights and 16-bit storage
     "MasterWeights": "mixprec.masters",
     "fp32_param_names": "mixprec.masters",
     "stochastic_round_bf16": "mixprec.masters",
     "kahan_add_": "mixprec.masters",
     "split_fp32": "mixprec.masters",
     "join_fp32": "mixprec.masters",
-
-    # lint (issue 6)
+    # lint (reads text; never imports torch)
     "lint_paths": "mixprec.lint",
     "lint_source": "mixprec.lint",
-
-    # bench (issue 7)
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

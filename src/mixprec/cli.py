@@ -13,17 +13,11 @@ import sys
 
 # subcommand -> module. The order here is the order in --help.
 SUBCOMMANDS: dict[str, str] = {
-    # compare (issue 3)
-    "compare": "mixprec.comparison.cli",
-    "recipes": "mixprec.recipes_cli",
-    # doctor (issue 4)
+    "compare": "mixprec.comparison.cli",  # the main job: does 16-bit training track fp32?
     "doctor": "mixprec.diagnostics.cli",
-
-    # memory (issue 5)
+    "recipes": "mixprec.recipes_cli",
     "memory": "mixprec.memory_cli",
-    # lint (issue 6)
     "lint": "mixprec.lint.cli",
-    # bench (issue 7)
     "bench": "mixprec.bench.cli",
 }
 

@@ -60,6 +60,26 @@ def _load(spec: str) -> Any:
     return _import_factory(spec)()
 
 
+def _builtin_task(shape, load_task):
+    """The built-in char GPT for --measure, built with the shape the plan uses (or its defaults)."""
+    import inspect
+
+    from mixprec.memory import TransformerShape
+    from mixprec.tasks import charlm
+
+    if shape is None:
+        d = {k: v.default for k, v in inspect.signature(charlm.make_task).parameters.items()}
+        shape = TransformerShape(d["batch_size"], d["seq_len"], d["d_model"], d["n_layer"], d["n_head"], len(charlm.VOCAB))
+    elif shape.vocab not in (0, len(charlm.VOCAB)):
+        raise ValueError(f"the built-in task has a vocabulary of {len(charlm.VOCAB)}; drop --vocab or pass --vocab {len(charlm.VOCAB)}")
+    task = load_task(None, batch_size=shape.batch, seq_len=shape.seq, d_model=shape.d_model,
+                     n_layer=shape.layers, n_head=shape.heads)
+    if shape.vocab == 0:
+        shape = TransformerShape(shape.batch, shape.seq, shape.d_model, shape.layers, shape.heads,
+                                 len(charlm.VOCAB), shape.attention)
+    return task, shape
+
+
 def run(args: argparse.Namespace) -> int:
     import json
 
@@ -89,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
         if args.measure and task is None:
             if model is not None:
                 raise ValueError("--measure needs data: give --model a factory returning a mixprec Task (see mixprec.tasks)")
-            task = load_task(None)
+            task, shape = _builtin_task(shape, load_task)
         if task is not None and model is None:
             torch.manual_seed(0)
             model = task.build_model()

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import src_env
+from mixprec_test_env import src_env
 
 from mixprec.memory import (
     OPTIMIZER_STATE_BYTES, ParamCounts, StorageFacts, TransformerShape, activation_bytes, facts_from_recipe,
