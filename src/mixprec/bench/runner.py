@@ -105,15 +105,15 @@ class Trainer:
         self.mp = MixedPrecision(variant.recipe, device)
         torch.manual_seed(0)
         model = RefBlock(shape).to(device)
-        # A recipe that stores parameters in 16 bits (bf16-true, ...) gets its model in that dtype.
-        model = self.mp.prepare(model.to(self.mp.policy.param_dtype))
+        # prepare() stores parameters in 16 bits itself for the storage recipes (bf16-true, ...)
+        model = self.mp.prepare(model)
         self.model: nn.Module = model
         self.forward_module: Callable[[torch.Tensor], torch.Tensor] = model
         if variant.compile:
             _raise_dynamo_cache_limit()
             self.forward_module = torch.compile(model)
-        self.opt = make_optimizer(model.parameters(), optimizer)
-        self.batches = [(x.to(self.mp.policy.param_dtype), y) for x, y in batches]
+        self.opt = make_optimizer(self.mp.parameters(model), optimizer)  # the fp32 masters where there are some
+        self.batches = batches
         self.steps = 0
 
     def _tf32(self) -> contextlib.AbstractContextManager:
