@@ -254,7 +254,7 @@ def run_recipe(
         model = mp.prepare(model)
     except ValueError as e:
         raise TaskError(f"task {task.name!r} under recipe {name!r}: {e}") from None
-    optimizer = task.build_optimizer(model.parameters())
+    optimizer = task.build_optimizer(mp.parameters(model))  # fp32 masters for the -true recipes
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TaskError(
             f"task {task.name!r}: build_optimizer() returned {type(optimizer).__name__}, expected a "

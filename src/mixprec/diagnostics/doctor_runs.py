@@ -115,7 +115,7 @@ def run_steps(task: Task, recipe: str, device: torch.device, *, steps: int, seed
     model, mp = build(task, recipe, device, seed, track_grad_norm=True)
     scaler = mp.scaler
     result = RunResult(mp.recipe.name, float(scaler.get_scale()) if scaler.is_enabled() else 1.0)
-    opt = task.build_optimizer(model.parameters())
+    opt = task.build_optimizer(mp.parameters(model))  # fp32 masters for the -true recipes
     handles = _scalar_watch(model, result.scalar_modules) + _zero_watch(model, result.zero_grads)
     monitor = ScaleMonitor(scaler, model).attach() if scaler.is_enabled() else None
     try:
