@@ -108,3 +108,11 @@ def test_progress_and_run_callbacks_and_threads_are_restored():
     assert seen_threads == {1} and torch.get_num_threads() == 2
     assert result.threads == 1 and result.to_dict()["threads"] == 1
     assert result.ok
+
+
+def test_storage_recipes_train_their_fp32_masters_and_track():
+    """bf16-true's optimizer must see the fp32 masters: built over mp.parameters(model)."""
+    result = compare(bad.healthy(), ("bf16-true",), **CPU)
+    assert result.verdicts["bf16-true"].status == "TRACKS"
+    run = result.run_for("bf16-true")
+    assert run.error is None and bool(torch.isfinite(torch.as_tensor(run.loss)).all())
