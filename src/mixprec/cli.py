@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # subcommand -> module. The order here is the order in --help.
@@ -49,6 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # The console script, unlike 'python -m', does not put the working directory on sys.path;
+    # '--task my_module:make_task' (compare, doctor, memory) should find my_module.py where the user stands.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     parser = build_parser()
     args = parser.parse_args(argv)
     if getattr(args, "_run", None) is None:

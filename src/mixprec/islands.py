@@ -51,29 +51,15 @@ def fp32_island(device_type: str | None = None) -> Iterator[None]:
         yield
 
 
-def _first_floating_dtype(obj: Any) -> torch.dtype | None:
+def _first_tensor(obj: Any, floating: bool = False) -> torch.Tensor | None:
+    """The first tensor (floating-point only, if asked) in a nest of lists, tuples and dicts."""
     if isinstance(obj, torch.Tensor):
-        return obj.dtype if obj.is_floating_point() else None
-    if isinstance(obj, dict):
-        obj = list(obj.values())
-    if isinstance(obj, (list, tuple)):
-        for item in obj:
-            d = _first_floating_dtype(item)
-            if d is not None:
-                return d
-    return None
-
-
-def _first_device_type(obj: Any) -> str | None:
-    if isinstance(obj, torch.Tensor):
-        return obj.device.type
-    if isinstance(obj, dict):
-        obj = list(obj.values())
-    if isinstance(obj, (list, tuple)):
-        for item in obj:
-            d = _first_device_type(item)
-            if d is not None:
-                return d
+        return obj if not floating or obj.is_floating_point() else None
+    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
+    for item in items:
+        t = _first_tensor(item, floating)
+        if t is not None:
+            return t
     return None
 
 
@@ -106,8 +92,9 @@ class Fp32Island:
             del module._mixprec_island  # type: ignore[attr-defined]
 
     def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        device_type = self.device_type or _first_device_type((args, kwargs))
-        in_dtype = _first_floating_dtype((args, kwargs))
+        first, first_float = _first_tensor((args, kwargs)), _first_tensor((args, kwargs), floating=True)
+        device_type = self.device_type or (first.device.type if first is not None else None)
+        in_dtype = first_float.dtype if first_float is not None else None
         active = bool(device_type) and torch.is_autocast_enabled(device_type)
         if active:
             # Switched directly rather than with an autocast(enabled=False) context: a context

@@ -55,9 +55,9 @@ def _human(n: float) -> str:
 
 
 def _load(spec: str) -> Any:
-    from mixprec.tasks import _import_factory
+    from mixprec.tasks import import_factory
 
-    return _import_factory(spec)()
+    return import_factory(spec)()
 
 
 def _builtin_task(shape, load_task):

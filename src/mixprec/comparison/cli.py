@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import ast
 import contextlib
-import os
 import sys
 from typing import Any
 
@@ -123,10 +122,6 @@ def run(args: argparse.Namespace) -> int:
         task_kwargs = parse_task_args(args.task_arg)
     except ValueError as e:
         return error(str(e))
-    if args.task is not None and os.getcwd() not in sys.path:
-        # the console script does not put the working directory on the path; 'my_module:make_task'
-        # should find my_module.py where the user stands, as 'python -m' would
-        sys.path.insert(0, os.getcwd())
     threads = default_threads(args.threads, args.task, args.device)
     recipes = split_recipes(args.recipes) or DEFAULT_RECIPES
     progress = None if args.quiet else RichProgress(err)

@@ -40,18 +40,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import json
-    import os
-    import sys
 
     from rich.console import Console
 
     from mixprec.diagnostics.doctor import doctor
     from mixprec.tasks import TaskError
 
-    # 'mixprec' is a console script: unlike 'python -m', it does not put the working directory on
-    # sys.path, and task modules usually live there.
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
     err = Console(stderr=True)
     progress = None if args.json else (lambda msg: err.print(f"[dim]... {msg}[/dim]"))
     try:

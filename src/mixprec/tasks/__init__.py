@@ -90,7 +90,7 @@ def load_task(spec: str | Task | Callable[..., Task] | None = None, **kwargs: An
     if spec is None:
         spec = BUILTIN
     if isinstance(spec, str):
-        factory = _import_factory(spec)
+        factory = import_factory(spec)
         label = spec
     elif callable(spec):
         factory, label = spec, getattr(spec, "__qualname__", repr(spec))
@@ -123,7 +123,7 @@ def _accepts(fn: Callable[..., Any], kwargs: dict[str, Any]) -> bool:
         return False
 
 
-def _import_factory(spec: str) -> Callable[..., Task]:
+def import_factory(spec: str) -> Callable[..., Task]:
     if ":" not in spec:
         raise TaskError(f"task {spec!r} must look like 'package.module:function' (a colon before the function name)")
     module_name, _, attr = spec.partition(":")
@@ -146,4 +146,4 @@ def _import_factory(spec: str) -> Callable[..., Task]:
     return factory  # type: ignore[return-value]
 
 
-__all__ = ["Task", "TaskError", "load_task", "to_device", "BUILTIN"]
+__all__ = ["Task", "TaskError", "load_task", "import_factory", "to_device", "BUILTIN"]
