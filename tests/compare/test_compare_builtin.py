@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from mixprec.comparison.api import compare
+from mixprec.comparison.report import summary_rows
 from mixprec.tasks import load_task
 
 
@@ -45,7 +46,12 @@ def test_records_every_step_of_every_run(healthy_comparison):
 def test_step_time_ratio_is_relative_to_pooled_fp32(healthy_comparison):
     r = healthy_comparison
     fp32_median = np.median([x.median_step_s for x in r.runs if x.role != "candidate"])
+    assert r.fp32_step_s == pytest.approx(fp32_median)
     assert r.step_time_ratio("bf16-mixed") == pytest.approx(r.run_for("bf16-mixed").median_step_s / fp32_median)
+    # fp32 is the baseline: its row reads 1.00x and shows the pooled time the others divide by
+    assert r.step_time_ratio("fp32") == 1.0
+    row = next(x for x in summary_rows(r) if x["recipe"] == "fp32")
+    assert row["vs_fp32"] == 1.0 and row["step_ms"] == pytest.approx(fp32_median * 1e3)
 
 
 def test_builtin_default_loss_falls_clearly_within_a_few_dozen_steps():

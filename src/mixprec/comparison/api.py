@@ -81,10 +81,20 @@ class ComparisonResult:
                 return r
         raise KeyError(f"no run for recipe {recipe!r}; recipes run: {[r.recipe for r in self.runs if r.role != 'noise']}")
 
+    @property
+    def fp32_step_s(self) -> float:
+        """fp32's step time: the median over every fp32 run (reference and noise seeds pooled).
+
+        The baseline of ``step_time_ratio``; pooling the seeds makes it steadier than one run.
+        """
+        return float(np.median([r.median_step_s for r in self.runs if r.role in ("reference", "noise")]))
+
     def step_time_ratio(self, recipe: str) -> float:
-        """Median step time of ``recipe`` over fp32's (all fp32 runs pooled); > 1 means slower."""
-        fp32 = [r.median_step_s for r in self.runs if r.role in ("reference", "noise")]
-        return self.run_for(recipe).median_step_s / float(sorted(fp32)[len(fp32) // 2])
+        """Median step time of ``recipe`` over ``fp32_step_s``; > 1 means slower. 1.0 for fp32 itself."""
+        run = self.run_for(recipe)
+        if run.role == "reference":
+            return 1.0
+        return run.median_step_s / self.fp32_step_s
 
     def to_dict(self) -> dict[str, Any]:
         return {

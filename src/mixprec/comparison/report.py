@@ -59,7 +59,8 @@ def summary_rows(result: Any) -> list[dict[str, Any]]:
             "from_step": verdict.first_step if verdict else None,
             "ratio": verdict.ratio if verdict else None,
             "final_loss": _tail_mean(run.loss),
-            "step_ms": run.median_step_s * 1e3,
+            # the fp32 row shows the baseline the ratios divide by: all fp32 seeds pooled
+            "step_ms": (result.fp32_step_s if run.role == "reference" else run.median_step_s) * 1e3,
             "vs_fp32": result.step_time_ratio(run.recipe),
             "skipped": run.skipped_steps if run.loss_scaling != "none" else None,
             "peak_mib": None if run.peak_memory_bytes is None else run.peak_memory_bytes / 2**20,
