@@ -124,3 +124,67 @@ def test_fp32_group_and_rms_norms_match_float64():
     ref = xh.double() / torch.sqrt(xh.double().pow(2).mean(-1, keepdim=True) + 1e-6)
     assert _rel_err(rms(xh), ref) < 2e-3
     assert "eps=1e-06" in repr(rms)
+
+
+_NEUTRAL_CASES = [
+    (lambda: nn.LayerNorm(16), (4, 16)),
+    (lambda: nn.GroupNorm(4, 16), (4, 16, 5)),
+    (lambda: nn.BatchNorm1d(16), (4, 16)),
+    (lambda: nn.BatchNorm2d(16), (4, 16, 3, 3)),
+    (lambda: nn.InstanceNorm1d(16, affine=True), (4, 16, 5)),
+    (lambda: nn.LocalResponseNorm(3), (4, 16, 5)),
+] + ([(lambda: nn.RMSNorm(16), (4, 16))] if hasattr(nn, "RMSNorm") else [])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("make,shape", _NEUTRAL_CASES)
+def test_norm_islands_leave_autocast_on_and_still_compute_in_fp32(make, shape, dtype):
+    # Built-in norms run no op autocast lowers, so their island only casts (compile-friendly);
+    # the result must equal the module run on fp32 inputs with autocast off, bit for bit.
+    torch.manual_seed(0)
+    norm = make()
+    with torch.no_grad():
+        for p in norm.parameters():
+            p.uniform_(0.5, 1.5)
+    x = (torch.randn(shape) * 3 + 1).to(dtype)
+    want = norm(x.float()).to(dtype)  # no autocast anywhere: plain fp32
+    keep_fp32(norm, ["norms"])
+    seen = []
+    norm.register_forward_pre_hook(lambda m, a: seen.append(torch.is_autocast_enabled("cpu")))
+    with torch.autocast("cpu", dtype=dtype):
+        got = norm(x)
+    assert seen == [True]  # autocast was left on inside
+    assert got.dtype == dtype and torch.equal(got, want)
+
+
+def test_an_island_around_a_matmul_still_switches_autocast_off():
+    lin = nn.Linear(16, 16)
+    x = torch.randn(4, 16)
+    want = lin(x).to(torch.bfloat16)
+    keep_fp32(lin, [nn.Linear])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = lin(x.to(torch.bfloat16))
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, lin(x.to(torch.bfloat16).float()).to(torch.bfloat16))
+    # a bf16 matmul would differ from the fp32 one on these inputs
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        plain = nn.functional.linear(x.to(torch.bfloat16), lin.weight, lin.bias)
+    assert not torch.equal(plain, want)
+
+
+def test_a_norm_subclass_is_not_assumed_neutral():
+    class LNWithProjection(nn.LayerNorm):  # a subclass may add a matmul
+        def __init__(self, n):
+            super().__init__(n)
+            self.proj = nn.Linear(n, n)
+
+        def forward(self, x):
+            return self.proj(super().forward(x))
+
+    m = LNWithProjection(16)
+    x = torch.randn(4, 16)
+    want = m(x)
+    keep_fp32(m, ["norms"])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = m(x)
+    assert got.dtype == torch.float32 and torch.equal(got, want)

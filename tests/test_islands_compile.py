@@ -71,3 +71,24 @@ def test_prepared_model_compiles_into_one_graph_and_matches_eager():
     want.pow(2).mean().backward()
     for p, q in zip(model.parameters(), eager.parameters()):
         assert torch.allclose(p.grad, q.grad, rtol=1e-2, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_an_island_around_a_matmul_compiles_and_matches_eager():
+    # Needs the autocast switch inside the graph: one graph on torch 2.13, a graph break on 2.11
+    # (its dynamo cannot trace torch.set_autocast_enabled); the numbers must match eager either way.
+    # (no elementwise op between the layers: inductor may fuse one into a matmul's epilogue and
+    # skip a bf16 rounding that eager does, which is not what this test is about)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+    x = torch.randn(16, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        all_bf16 = net(x)
+    keep_fp32(net, ["1"])
+    compiled = torch.compile(net)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want, got = net(x), compiled(x)
+        assert torch.is_autocast_enabled("cpu")
+    assert got.dtype == want.dtype == torch.bfloat16
+    assert torch.equal(got, want)
+    assert not torch.equal(got, all_bf16)  # the island's layer did run in fp32

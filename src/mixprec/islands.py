@@ -14,6 +14,11 @@ Why norms: under CPU autocast ``layer_norm`` is not on the fp32 list and runs in
 runs in fp32), and a variance of small activations underflows in fp16. An island makes the
 numerics the same on every device.
 
+Under ``torch.compile`` a prepared model's default islands (built-in norms) trace into one graph on
+every supported torch: they only cast, since a norm computes in fp32 once its inputs are fp32. An
+island around a module that autocast would lower (a Linear head) switches autocast off, which
+compiles into the graph on torch 2.13 and is a graph break on 2.11 (same numbers, slower).
+
 >>> import torch
 >>> net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
 >>> keep_fp32(net, ["norms"])
@@ -96,7 +101,11 @@ class Fp32Island:
         device_type = self.device_type or (first.device.type if first is not None else None)
         in_dtype = first_float.dtype if first_float is not None else None
         active = bool(device_type) and torch.is_autocast_enabled(device_type)
-        if active:
+        # A norm whose forward has no op autocast lowers computes in fp32 once its inputs are fp32:
+        # only cast. Leaving autocast alone there also lets torch.compile trace the default
+        # islands in one graph on torch versions whose dynamo cannot trace the switch (2.11).
+        switch = active and type(module) not in _AUTOCAST_NEUTRAL
+        if switch:
             # Switched directly rather than with an autocast(enabled=False) context: a context
             # entered in this hook and left in the post-hook cannot be traced by torch.compile
             # (dynamo fails on it), while the plain switch compiles into one graph. Inside the
@@ -105,7 +114,7 @@ class Fp32Island:
         # Output goes back to what autocast would have handed the next op: the autocast dtype
         # when the input was 16-bit, else whatever came in.
         back = in_dtype if in_dtype in (torch.float16, torch.bfloat16) else None
-        self._stack.append((device_type if active else None, back))
+        self._stack.append((device_type if switch else None, back))
         if in_dtype in (torch.float16, torch.bfloat16) or active:
             args = cast_floating(args, torch.float32)
             kwargs = cast_floating(kwargs, torch.float32)
@@ -119,6 +128,20 @@ class Fp32Island:
             return cast_floating(output, back)
         return output
 
+
+# Norm classes (exact types, not subclasses: a subclass may add a matmul) whose forward runs no op
+# on autocast's lower-precision list (matmul, linear, conv, ...) on any device: given fp32 inputs
+# they compute in fp32 with autocast on or off.
+_AUTOCAST_NEUTRAL: frozenset[type] = frozenset(
+    t
+    for t in (
+        nn.LayerNorm, nn.GroupNorm, nn.LocalResponseNorm,
+        nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm,
+        nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d,
+        getattr(nn, "RMSNorm", None),
+    )
+    if t is not None
+)
 
 # Module families a recipe can name. RMSNorm exists in torch >= 2.4.
 _FAMILIES: dict[str, tuple[type, ...]] = {
