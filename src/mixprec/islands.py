@@ -15,7 +15,7 @@ runs in fp32), and a variance of small activations underflows in fp16. An island
 numerics the same on every device.
 
 Under ``torch.compile`` a prepared model's default islands (built-in norms) trace into one graph on
-every supported torch: they only cast, since a norm computes in fp32 once its inputs are fp32. An
+torch 2.11 and 2.13 alike (both tested): they only cast, since a norm computes in fp32 once its inputs are fp32. An
 island around a module that autocast would lower (a Linear head) switches autocast off, which
 compiles into the graph on torch 2.13 and is a graph break on 2.11 (same numbers, slower).
 
