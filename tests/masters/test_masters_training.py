@@ -260,3 +260,43 @@ def test_fused_optimizer_skips_on_device_and_leaves_fp16_true_unchanged():
         assert_bitwise_equal(before[key], after[key])
     assert_bitwise_equal(before["mp"]["masters"], after["mp"]["masters"])
 
+
+
+@pytest.mark.parametrize("recipe", STORAGE_RECIPES)
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_bucketing_does_not_change_a_bit(recipe, accumulate, monkeypatch):
+    # The step runs on flat buckets of parameters; how they are cut must not show in the numbers.
+    def run(limit):
+        monkeypatch.setattr("mixprec.masters.strategy.BUCKET_NUMEL", limit)
+        model, mp, opt = setup(recipe, accumulate=accumulate)
+        train(model, mp, opt, range(6), poison={3}, max_grad_norm=1.0)
+        return mp, snapshot(model, mp, opt)
+
+    one_mp, one = run(1 << 24)
+    many_mp, many = run(100)  # many small buckets; tensors above 100 elements each alone
+    assert len(one_mp.masters.buckets) == 1 < len(many_mp.masters.buckets)
+    assert [s for b in many_mp.masters.buckets for s in b.slots] == many_mp.masters.slots
+    assert_bitwise_equal(one, many)
+
+
+def test_a_replaced_proxy_value_is_still_written_back():
+    # The write-back reads the flat buffer the proxies view; if something swapped a proxy's data
+    # during the step, it must read the proxies instead of the stale buffer.
+    model, mp, opt = setup("bf16-true-kahan")
+    x, y = batch(0)
+    with mp.autocast():
+        loss = lm_loss(model(x), y)
+
+    proxy = mp.masters.slots[0].proxy
+
+    def swap(optimizer, args, kwargs):
+        proxy.data = proxy.data.clone() + 1.0
+
+    handle = opt.register_step_pre_hook(swap)
+    before = mp.masters.masters()
+    name = mp.masters.slots[0].name
+    mp.step(loss, opt)
+    handle.remove()
+    after = mp.masters.masters()[name]
+    assert (after - before[name]).abs().min() > 0.5  # the +1 reached the stored weights
+    assert not after.requires_grad
