@@ -86,15 +86,29 @@ class ParamCounts:
         fp32_kept: of those, how many a 16-bit storage recipe keeps in fp32 (its fp32 rule).
         matmul_weights: weights that autocast casts to 16 bits and saves (Linear/Conv weights);
             None means all of them (the upper bound used for a bare ``--params`` count).
+        frozen: of ``total``, how many are frozen (``requires_grad=False``): no gradients, no
+            optimizer state, and no masters (16-bit storage recipes store them in 16 bits only).
+        frozen_fp32_kept: of the frozen ones, how many the fp32 rule keeps in fp32.
     """
 
     total: int
     fp32_kept: int = 0
     matmul_weights: int | None = None
+    frozen: int = 0
+    frozen_fp32_kept: int = 0
 
     def __post_init__(self) -> None:
         if self.total < 0 or not 0 <= self.fp32_kept <= self.total:
             raise ValueError(f"parameter counts must satisfy 0 <= fp32_kept <= total, got {self}")
+        if not 0 <= self.frozen <= self.total or not 0 <= self.frozen_fp32_kept <= min(self.frozen, self.fp32_kept):
+            raise ValueError(
+                f"parameter counts must satisfy 0 <= frozen <= total and "
+                f"0 <= frozen_fp32_kept <= min(frozen, fp32_kept), got {self}"
+            )
+
+    @property
+    def trainable(self) -> int:
+        return self.total - self.frozen
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,20 +208,23 @@ def plan(
     stores_16bit = facts.stores_16bit
     n16 = n - counts.fp32_kept if stores_16bit else 0
     n32 = n - n16
+    # the trainable ones: frozen parameters have no gradient, optimizer state or master
+    t16 = n16 - (counts.frozen - counts.frozen_fp32_kept if stores_16bit else 0)
+    t32 = counts.trainable - t16
     matmul = n if counts.matmul_weights is None else counts.matmul_weights
     b = {
         "weights": n16 * facts.param_bytes + n32 * 4,
-        "masters": n16 * facts.master_bytes,
-        "optimizer state": n * optimizer_state_bytes(optimizer),
-        "gradients": n16 * facts.param_bytes + n32 * 4,
+        "masters": t16 * facts.master_bytes,
+        "optimizer state": counts.trainable * optimizer_state_bytes(optimizer),
+        "gradients": t16 * facts.param_bytes + t32 * 4,
         "autocast weight copies": matmul * facts.compute_bytes if facts.autocast and not stores_16bit else 0,
         "activations": activation_bytes(shape, facts) if shape is not None else 0,
-        "step-time fp32": n16 * facts.step_bytes,
+        "step-time fp32": t16 * facts.step_bytes,
     }
     persistent = b["weights"] + b["masters"] + b["optimizer state"]
     fwd_bwd = b["gradients"] + b["autocast weight copies"] + b["activations"]
     # at the step the 16-bit gradients have become fp32 master gradients (counted in step-time)
-    step = n32 * 4 + b["step-time fp32"]
+    step = t32 * 4 + b["step-time fp32"]
     notes = []
     if counts.matmul_weights is None and facts.autocast and not stores_16bit:
         notes.append("autocast copies assume every parameter is a matmul weight (an upper bound)")

@@ -16,6 +16,7 @@ examples:
   mixprec memory --params 7e9 --recipe bf16-mixed --optimizer adamw
   mixprec memory --params 7B --recipe fp32,bf16-mixed,bf16-true,bf16-true-sr
   mixprec memory --params 7B --recipe bf16-true --batch 1 --seq 4096 --d-model 4096 --layers 32 --heads 32 --vocab 32000
+  mixprec memory --params 7B --trainable 40M --recipe bf16-mixed,bf16-true   # a frozen base (LoRA)
   mixprec memory --model mypkg.models:make_model --recipe all
   mixprec memory --measure --recipe bf16-mixed,bf16-true --batch 16 --seq 64 --d-model 64 --layers 2 --heads 4 --vocab 96
 """
@@ -26,6 +27,9 @@ _SHAPE = ("batch", "seq", "d_model", "layers", "heads")
 def configure(parser: argparse.ArgumentParser) -> None:
     src = parser.add_argument_group("what to plan for")
     src.add_argument("--params", help="parameter count: 7e9, 7B, 125M, 1000")
+    src.add_argument("--trainable", metavar="COUNT",
+                     help="with --params: how many of them train (the rest are frozen: no gradients, optimizer "
+                          "state or masters), e.g. a LoRA fine-tune: --params 7B --trainable 40M")
     src.add_argument("--model", metavar="MODULE:FUNCTION",
                      help="a factory returning an nn.Module (counted exactly, fp32 rule applied) or a mixprec Task")
     src.add_argument("--recipe", default="fp32,bf16-mixed,bf16-true",
@@ -115,6 +119,15 @@ def run(args: argparse.Namespace) -> int:
             model = task.build_model()
         if model is None and args.params is None:
             raise ValueError("give --params N (e.g. 7e9), or --model MODULE:FUNCTION, or --measure")
+        frozen = 0
+        if args.trainable is not None:
+            if args.params is None:
+                raise ValueError("--trainable goes with --params (a --model's frozen parameters are counted from "
+                                 "requires_grad)")
+            total, trainable = parse_count(args.params), parse_count(args.trainable)
+            if trainable > total:
+                raise ValueError(f"--trainable {args.trainable} is more than --params {args.params}")
+            frozen = total - trainable
     except (ValueError, RuntimeError, TaskError) as e:
         print(f"error: {e}")
         return 2
@@ -123,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
 
     results = []
     for recipe in recipes:
-        counts = count_params(model, recipe) if model is not None else ParamCounts(parse_count(args.params))
+        counts = count_params(model, recipe) if model is not None else ParamCounts(parse_count(args.params), frozen=frozen)
         p = plan(counts, facts_from_recipe(recipe), args.optimizer, shape)
         measured = measure_step(task, recipe, args.optimizer, args.device) if args.measure else None
         results.append((p, measured))
@@ -138,7 +151,9 @@ def run(args: argparse.Namespace) -> int:
 
     console = Console(width=None if Console().is_terminal else 160)
     n = results[0][0].counts.total
-    title = f"memory plan: {n:,} parameters, {args.optimizer}" + (f", measured on {task.name}" if args.measure else "")
+    frozen_n = results[0][0].counts.frozen
+    title = (f"memory plan: {n:,} parameters" + (f" ({n - frozen_n:,} trainable)" if frozen_n else "")
+             + f", {args.optimizer}" + (f", measured on {task.name}" if args.measure else ""))
     table = Table(title=title, caption="cells: bytes (bytes per parameter)")
     table.add_column("component")
     for p, m in results:

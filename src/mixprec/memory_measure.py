@@ -52,12 +52,15 @@ def make_optimizer(name: str, params: Iterable[nn.Parameter], device: torch.devi
 
 
 def count_params(model: nn.Module, recipe: Recipe) -> ParamCounts:
-    """Total floating parameters, those the recipe keeps fp32, and the matmul weights."""
+    """Total floating parameters, those the recipe keeps fp32, the matmul weights, and the frozen ones."""
     params = {id(p): p for p in model.parameters() if p.is_floating_point()}
-    kept = 0
+    kept = frozen_kept = 0
     if recipe.stores_16bit:
         named = dict(model.named_parameters())
-        kept = sum(named[n].numel() for n in fp32_param_names(model, recipe.fp32_params))
+        kept_params = [named[n] for n in fp32_param_names(model, recipe.fp32_params)]
+        kept = sum(p.numel() for p in kept_params)
+        frozen_kept = sum(p.numel() for p in kept_params if not p.requires_grad)
+    frozen = sum(p.numel() for p in params.values() if not p.requires_grad)
     matmul: dict[int, int] = {}
     for m in model.modules():
         if isinstance(m, _MATMUL) and isinstance(getattr(m, "weight", None), nn.Parameter):
@@ -67,7 +70,7 @@ def count_params(model: nn.Module, recipe: Recipe) -> ParamCounts:
                 w = getattr(m, name, None)
                 if isinstance(w, nn.Parameter):
                     matmul[id(w)] = w.numel()
-    return ParamCounts(sum(p.numel() for p in params.values()), kept, sum(matmul.values()))
+    return ParamCounts(sum(p.numel() for p in params.values()), kept, sum(matmul.values()), frozen, frozen_kept)
 
 
 def _nbytes(tensors: Iterable[torch.Tensor]) -> int:

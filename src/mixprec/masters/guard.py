@@ -2,7 +2,8 @@
 
 A global optimizer pre-step hook, installed when a 16-bit storage recipe first prepares a model.
 Parameters carry ``_mixprec_role = (kind, strategy, name)``: ``"stored"`` on the model's 16-bit
-parameters, ``"proxy"`` on their fp32 masters. The hook refuses an optimizer holding a stored
+parameters, ``"proxy"`` on their fp32 masters, ``"frozen"`` on parameters frozen at prepare
+(16-bit, no master; the hook refuses to step one that has a gradient). The hook refuses an optimizer holding a stored
 parameter (it would train 16-bit weights without masters), and an optimizer holding masters
 stepped outside ``mp.step`` (their gradients and values exist only inside it).
 """
@@ -25,6 +26,15 @@ def built_over_16bit(name: str, dtype: torch.dtype) -> str:
     )
 
 
+def unfrozen_after_prepare(name: str, dtype: torch.dtype) -> str:
+    return (
+        f"parameter {name!r} was frozen (requires_grad=False) when mp.prepare stored it in "
+        f"{get_format(dtype).name}, so it has no fp32 master, yet it has a gradient now: training it "
+        "would update the 16-bit weight directly and lose small updates. Set requires_grad before "
+        "mp.prepare(model) (prepare gives every trainable parameter a master), or keep it frozen."
+    )
+
+
 def _guard(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     """Global optimizer pre-step hook: 16-bit stored weights train only through ``mp.step``.
 
@@ -34,13 +44,18 @@ def _guard(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     count = sum(len(g["params"]) for g in optimizer.param_groups)
     cached = optimizer.__dict__.get("_mixprec_guard")
     if cached is None or cached[0] != count:
-        roles = [
-            r for g in optimizer.param_groups for p in g["params"]
-            if (r := getattr(p, "_mixprec_role", None)) is not None
-        ]
+        roles, frozen = [], []
+        for g in optimizer.param_groups:
+            for p in g["params"]:
+                r = getattr(p, "_mixprec_role", None)
+                if r is not None:
+                    (frozen.append((p, r)) if r[0] == "frozen" else roles.append(r))
         role = next((r for r in roles if r[0] == "stored"), roles[0] if roles else None)
-        cached = optimizer.__dict__["_mixprec_guard"] = (count, role)
-    role = cached[1]
+        cached = optimizer.__dict__["_mixprec_guard"] = (count, role, frozen)
+    role, frozen = cached[1], cached[2]
+    for p, (_, owner, name) in frozen:  # frozen 16-bit weights (no master) must stay frozen
+        if p.grad is not None:
+            raise RuntimeError(unfrozen_after_prepare(name, owner.storage_dtype))
     if role is None:
         return
     kind, owner, name = role

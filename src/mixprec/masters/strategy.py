@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from mixprec.formats import get_format
-from mixprec.masters.guard import built_over_16bit, install_guard
+from mixprec.masters.guard import built_over_16bit, install_guard, unfrozen_after_prepare
 from mixprec.masters.rounding import join_fp32, kahan_add_, split_fp32, stochastic_round_bf16
 from mixprec.masters.rules import ParamRule, fp32_param_names
 
@@ -132,6 +132,8 @@ class MasterWeights:
         self._placeholders: dict[torch.device, torch.Tensor] = {}
         self.buckets: list[_Bucket] = []
         self.bucket_numel = BUCKET_NUMEL
+        #: parameters frozen at prepare (requires_grad False): stored in 16 bits, no master
+        self.frozen: list[tuple[str, nn.Parameter]] = []
 
     # ------------------------------------------------------------------ attach
 
@@ -147,6 +149,13 @@ class MasterWeights:
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if name in keep or not p.is_floating_point():
+                    continue
+                if not p.requires_grad:
+                    # Frozen (a fine-tuned model's base): it never changes, so it needs no master,
+                    # no fp32 gradient and no optimizer state; 16 bits are all it costs.
+                    p.data = p.data.to(self.storage_dtype)
+                    p._mixprec_role = ("frozen", self, name)  # type: ignore[attr-defined]
+                    self.frozen.append((name, p))
                     continue
                 placeholder = self._placeholder(p)
                 proxy = nn.Parameter(placeholder, requires_grad=p.requires_grad)
@@ -200,8 +209,15 @@ class MasterWeights:
 
     # ------------------------------------------------------------------ the step
 
+    def check_frozen(self) -> None:
+        """Raise if a parameter frozen at prepare (no master) has received a gradient since."""
+        for name, p in self.frozen:
+            if p.grad is not None:
+                raise RuntimeError(unfrozen_after_prepare(name, self.storage_dtype))
+
     def after_backward(self, optimizers: Sequence[torch.optim.Optimizer], boundary: bool) -> None:
         """Fold 16-bit gradients into fp32 proxy gradients; at a boundary, materialise the proxies."""
+        self.check_frozen()
         if boundary:
             self.check_optimizers(optimizers)
         with torch.no_grad():
@@ -304,7 +320,7 @@ class MasterWeights:
     def nbytes(self) -> dict[str, int]:
         """Bytes held now: 16-bit parameters, fp32 parameters, and the strategy's own state."""
         model = self._check_model(None)
-        stored = sum(s.param.numel() * s.param.element_size() for s in self.slots)
+        stored = sum(p.numel() * p.element_size() for p in [*(s.param for s in self.slots), *(p for _, p in self.frozen)])
         keep = set(self.fp32_names)
         fp32 = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n in keep)
         extra = sum(t.numel() * t.element_size() for s in self.slots for t in self.extra_tensors(s))
@@ -350,6 +366,8 @@ class MasterWeights:
             f"{self.kind}: {self.description}; {len(self.slots)} tensors ({n16:,} params) stored in "
             f"{get_format(self.storage_dtype).name}, +{self.extra_bytes} B/param kept, "
             f"fp32: {', '.join(map(_rule_name, self.fp32_params)) or '-'} ({len(self.fp32_names)} tensors)"
+            + (f"; {len(self.frozen)} frozen tensors ({sum(p.numel() for _, p in self.frozen):,} params) "
+               f"stored in {get_format(self.storage_dtype).name} without masters" if self.frozen else "")
         )
 
 
