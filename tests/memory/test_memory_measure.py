@@ -83,7 +83,17 @@ def test_cli_measure_puts_measured_bytes_beside_the_plan(capsys):
     ([], "give --params N"),
     (["--params", "7e9", "--recipe", "bf16-nope"], "Unknown recipe 'bf16-nope'"),
     (["--model", "mixprec.tasks.charlm:CharGPT", "--measure"], "--measure needs data"),
+    (["--model", "mixprec.tasks.charlm:CharGPT", "--trainable", "10"], "--trainable goes with --params"),
+    (["--params", "1M", "--trainable", "2M"], "is more than --params"),
 ])
 def test_cli_errors_say_what_to_do(capsys, args, message):
     assert main(["memory", *args]) == 2
     assert message in capsys.readouterr().out
+
+
+def test_cli_trainable_leaves_frozen_parameters_without_state(capsys):
+    assert main(["memory", "--params", "7B", "--trainable", "40M", "--recipe", "bf16-true", "--json"]) == 0
+    (result,) = json.loads(capsys.readouterr().out)["plans"]
+    assert result["params"]["frozen"] == 7e9 - 40e6
+    assert result["bytes"]["optimizer state"] == 8 * 40e6 and result["bytes"]["masters"] == 4 * 40e6
+    assert result["bytes"]["weights"] == 2 * 7e9
