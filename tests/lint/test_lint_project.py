@@ -16,9 +16,17 @@ def test_project_sources_and_examples_lint_clean():
     assert [f.as_text() for f in result.findings] == []
 
 
-def test_pre_commit_hook_runs_mixprec_lint_on_python_files():
+def test_pre_commit_hooks_run_mixprec_lint_on_python_files():
     text = (ROOT / ".pre-commit-hooks.yaml").read_text()
-    hooks = [line.strip() for line in text.splitlines() if not line.lstrip().startswith("#")]
-    assert "- id: mixprec-lint" in hooks
-    assert any(h.startswith("entry: mixprec lint") for h in hooks)
-    assert "types: [python]" in hooks
+    lines = [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    hooks: dict[str, dict[str, str]] = {}
+    for line in lines:
+        key, _, value = line.removeprefix("- ").partition(": ")
+        if line.startswith("- id: "):
+            current = hooks[value] = {}
+        current[key] = value
+    # the default hook installs nothing (no torch): it uses the environment's mixprec
+    assert hooks["mixprec-lint"]["language"] == "system"
+    assert hooks["mixprec-lint-isolated"]["language"] == "python"
+    for hook in hooks.values():
+        assert hook["entry"].startswith("mixprec lint") and hook["types"] == "[python]"
