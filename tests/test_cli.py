@@ -51,3 +51,25 @@ def test_recipes_bad_device_exits_2(capsys):
 def test_console_script_runs():
     out = subprocess.run([sys.executable, "-m", "mixprec", "--version"], capture_output=True, text=True, env=src_env())
     assert out.returncode == 0 and out.stdout.startswith("mixprec ")
+
+
+def test_piped_tables_keep_whole_recipe_names():
+    # piped (a file, a pager, CI), rich would assume 80 columns and cut names to "bf16-true-…"
+    env = {k: v for k, v in src_env().items() if k != "COLUMNS"}
+    out = subprocess.run([sys.executable, "-m", "mixprec", "recipes"], capture_output=True, text=True, env=env,
+                         check=True).stdout
+    for name in ("bf16-true-kahan", "bf16-true-remainder", "bf16-true-sr"):
+        assert f"│ {name} " in out
+    assert "…" not in out
+
+
+def test_make_console_width(monkeypatch):
+    import io
+
+    from mixprec.report.terminal import PIPED_WIDTH, make_console
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    assert make_console(file=io.StringIO()).width == PIPED_WIDTH
+    assert make_console(file=io.StringIO(), width=70).width == 70
+    monkeypatch.setenv("COLUMNS", "90")
+    assert make_console(file=io.StringIO()).width == 90

@@ -146,10 +146,11 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({"shape": shape.__dict__ if shape else None, "plans": out}, indent=2))
         return 0
 
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console(width=None if Console().is_terminal else 160)
+    from mixprec.report.terminal import make_console
+
+    console = make_console()
     n = results[0][0].counts.total
     frozen_n = results[0][0].counts.frozen
     title = (f"memory plan: {n:,} parameters" + (f" ({n - frozen_n:,} trainable)" if frozen_n else "")

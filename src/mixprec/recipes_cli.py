@@ -47,18 +47,19 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"recipes": rows, "auto": {"recipe": auto.name, "reason": auto.reason}}, indent=2))
         return 0
-    from rich.console import Console
     from rich.table import Table
+
+    from mixprec.report.terminal import make_console
 
     table = Table(title="mixprec recipes")
     for col in ("name", "aliases", "policy", "loss scaling", "fp32 islands"):
-        table.add_column(col, no_wrap=col == "policy")
+        table.add_column(col, no_wrap=col in ("name", "policy"))
     for row in rows:
         table.add_row(
             row["name"], ", ".join(row["aliases"]), row["policy"], row["loss_scaling"],
             ", ".join(row["fp32_modules"]) or "-",
         )
-    console = Console()
+    console = make_console()
     console.print(table)
     for row in rows:
         console.print(f"  [bold]{row['name']}[/bold]: {row['description']}")

@@ -110,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
     from mixprec.comparison.progress import RichProgress
     from mixprec.comparison.report import DEFAULT_OUT, print_summary
     from mixprec.comparison.runner import RunError
+    from mixprec.report.terminal import make_console
     from mixprec.tasks import TaskError
 
     err = Console(stderr=True)
@@ -148,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"{name}: {v.status}: {v.message}")
         print(f"report: {result.files['html']}")
     else:
-        print_summary(result, Console())
+        print_summary(result, make_console())
     return 0 if result.ok else 1
 
 

@@ -89,10 +89,11 @@ def _cells(row: dict[str, Any]) -> list[str]:
 
 def print_summary(result: Any, console: Any = None) -> None:
     """The terminal summary: a rich table of verdicts, then one line per recipe and the rule."""
-    from rich.console import Console
     from rich.table import Table
 
-    console = console or Console()
+    from mixprec.report.terminal import make_console
+
+    console = console or make_console()
     rows = summary_rows(result)
     # peak memory is measured on CUDA only; a column of n/a says nothing
     ncols = len(_HEADERS) if any(r["peak_mib"] is not None for r in rows) else len(_HEADERS) - 1

@@ -44,6 +44,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from mixprec.diagnostics.doctor import doctor
+    from mixprec.report.terminal import make_console
     from mixprec.tasks import TaskError
 
     err = Console(stderr=True)
@@ -59,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         from mixprec.diagnostics.doctor_report import renderables
 
-        console = Console()
+        console = make_console()
         for r in renderables(report):
             console.print(r)
         if "doctor.html" in written:
