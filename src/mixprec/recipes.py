@@ -204,6 +204,22 @@ for _name, _dtype, _master, _aliases, _description in (
 ):
     register_recipe(_storage_recipe(_name, _dtype, _master, _description), aliases=_aliases)
 
+# Apex O3, "pure fp16": everything in fp16 (batchnorm too), no master weights, loss scale 1. A
+# speed baseline, not a way to train: kept as Apex defined it so "O3" means what it meant there.
+# (The only difference: the output is cast to fp32, so the loss is computed in fp32.)
+register_recipe(
+    Recipe(
+        "fp16-pure",
+        Policy(torch.float16, torch.float16, _F32),
+        loss_scaling="none",
+        autocast=True,
+        master="nearest",
+        fp32_params=(),
+        description="UNSAFE baseline (Apex O3): everything in fp16, norms too, no master, no loss scaling",
+    ),
+    aliases=("O3",),
+)
+
 
 def list_recipes() -> list[Recipe]:
     """Registered recipes (``auto`` and policy strings are resolved, not listed)."""

@@ -37,6 +37,18 @@ def test_bf16_pure_says_it_is_unsafe():
     assert get_recipe("bf16-pure").description.startswith("UNSAFE")
 
 
+def test_o3_is_apex_pure_fp16():
+    # REFERENCE: "O3 pure fp16" - fp16 model, no master weights, batchnorm in fp16, loss scale 1
+    r = get_recipe("O3")
+    assert r.name == "fp16-pure" and r.description.startswith("UNSAFE")
+    assert (r.master, r.loss_scaling, r.fp32_params, r.fp32_modules) == ("nearest", "none", (), ())
+    assert r.policy.param_dtype == r.policy.compute_dtype == torch.float16
+    mp = MixedPrecision("O3", "cpu")
+    model = mp.prepare(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.LayerNorm(4)))
+    assert {p.dtype for p in model.parameters()} == {torch.float16}  # norms and biases too
+    assert mp.masters.kind == "nearest" and mp.scaler.__class__.__name__ == "NoOpScaler"
+
+
 def test_mixed_recipes_keep_fp32_storage_and_no_master():
     for name in ("fp32", "bf16-mixed", "fp16-mixed"):
         r = get_recipe(name)
