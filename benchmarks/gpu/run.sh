@@ -39,6 +39,12 @@ part() {  # part NAME LIMIT_S MIN_S COMMAND...: run COMMAND under min(LIMIT_S, b
     return 0
   fi
   [ "$limit" -gt "$left" ] && limit=$left
+  # @BUDGET@ in a command: the seconds the command itself may plan for (its limit less a margin
+  # for start-up and writing results), so a bench stops in time instead of being killed
+  local budget=$(( limit - 20 )) args=() a
+  [ "$budget" -lt 10 ] && budget=10
+  for a in "$@"; do args+=("${a//@BUDGET@/$budget}"); done
+  set -- "${args[@]}"
   echo "=== $name (limit ${limit}s): $*" | tee -a "$LOG"
   local t0
   t0=$(date +%s)
@@ -52,14 +58,15 @@ part() {  # part NAME LIMIT_S MIN_S COMMAND...: run COMMAND under min(LIMIT_S, b
 part env 30 5 bash -c "$PY -c 'import sys, torch; print(sys.version); print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.get_device_name(0) if torch.cuda.is_available() else \"no CUDA\")'; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv 2>/dev/null || true"
 # rc 5 = no CUDA tests collected
 part cuda-tests 150 30 $PY -m pytest -m cuda -q -p no:cacheprovider -rs
-part eager 120 40 $BENCH --shape $SHAPE --reps $REPS --steps-per-rep 3 --tf32 both --json "$OUT/bench_eager.json" --markdown
+part eager 120 40 $BENCH --shape $SHAPE --reps $REPS --steps-per-rep 3 --tf32 both --budget-s @BUDGET@ --json "$OUT/bench_eager.json" --markdown
 # where the step's host overhead shows (a small, launch-bound shape), then the reference shape
 part overhead 90 30 $BENCH --overhead --shape $SMALL --recipes fp32 bf16-mixed fp16-mixed --optimizer fused foreach --reps $OREPS --plain --json "$OUT/overhead.json" --markdown
 part overhead-ref 60 25 $BENCH --overhead --shape $SHAPE --recipes bf16-mixed fp16-mixed --optimizer fused foreach --reps $(( OREPS * 2 / 3 )) --json "$OUT/overhead_ref.json" --markdown
 if [ "$NOCOMPILE" != 1 ]; then
   # the goal pair first (bf16-mixed against fp32, TF32 off), then every recipe (the cache makes repeats cheap)
-  part compile-main 200 90 $BENCH --shape $SHAPE --compile on --tf32 off --recipes fp32 bf16-mixed --reps $REPS --steps-per-rep 3 --json "$OUT/compile_main.json" --markdown
-  part compile-more 150 60 $BENCH --shape $SHAPE --compile on --tf32 both --reps $REPS --steps-per-rep 3 --json "$OUT/compile_more.json" --markdown
+  part compile-main 200 90 $BENCH --shape $SHAPE --compile on --tf32 off --recipes fp32 bf16-mixed --reps $REPS --steps-per-rep 3 --budget-s @BUDGET@ --json "$OUT/compile_main.json" --markdown
+  # every recipe compiled cold takes longer than this part has: --budget-s keeps what fits
+  part compile-more 150 60 $BENCH --shape $SHAPE --compile on --tf32 both --reps $REPS --steps-per-rep 3 --budget-s @BUDGET@ --json "$OUT/compile_more.json" --markdown
 fi
 echo "total $(( $(date +%s) - START ))s of ${BUDGET}s" | tee -a "$LOG"
 timeout -k 5 30 $PY benchmarks/gpu/summary.py "$OUT"

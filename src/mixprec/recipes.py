@@ -55,6 +55,9 @@ class Recipe:
             (stochastic rounding), ``"remainder"`` (int16 remainders, an exact fp32 master) or
             ``"nearest"`` (nothing: the unsafe baseline). ``"none"`` for fp32 storage.
         fp32_params: with 16-bit storage, the parameters that stay fp32 (``mixprec.masters.rules``).
+        pure: the whole model in the 16-bit storage dtype, as ``model.half()`` and Apex O3 make it:
+            floating buffers (BatchNorm's running statistics) are stored in it too, and the
+            model's floating inputs are cast to it. Needs 16-bit storage and ``fp32_params=()``.
         description: one line for ``mixprec recipes``.
         reason: why this recipe was chosen (``auto`` fills it in; otherwise "requested").
     """
@@ -69,6 +72,7 @@ class Recipe:
     reason: str = "requested"
     master: str = "none"
     fp32_params: tuple = ()
+    pure: bool = False
 
     def __post_init__(self) -> None:
         if self.loss_scaling not in ("none", "static", "dynamic"):
@@ -76,6 +80,11 @@ class Recipe:
                 f"Recipe {self.name!r}: loss_scaling={self.loss_scaling!r}; expected 'none', 'static' or 'dynamic'"
             )
         self._check_master()
+        if self.pure and (self.policy.param_dtype == _F32 or self.fp32_params):
+            raise ValueError(
+                f"Recipe {self.name!r}: pure=True puts the whole model in 16 bits; it needs 16-bit parameters "
+                "and fp32_params=()"
+            )
 
     def _check_master(self) -> None:
         if self.master not in MASTER_KINDS:
@@ -215,6 +224,7 @@ register_recipe(
         autocast=True,
         master="nearest",
         fp32_params=(),
+        pure=True,
         description="UNSAFE baseline (Apex O3): everything in fp16, norms too, no master, no loss scaling",
     ),
     aliases=("O3",),

@@ -77,6 +77,16 @@ class _OutputCast:
         return cast_floating(output, self.dtype)
 
 
+class _InputCast:
+    """Forward pre-hook casting a model's floating inputs to the compute dtype (``Recipe.pure``)."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return cast_floating(args, self.dtype), cast_floating(kwargs, self.dtype)
+
+
 def _as_optimizers(optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer]) -> list[torch.optim.Optimizer]:
     opts = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers)
     if not opts:
@@ -201,6 +211,12 @@ class MixedPrecision:
         if self.recipe.autocast:
             keep_fp32(model, [*self.recipe.fp32_modules, *self.fp32_modules], self.device.type)
             model.register_forward_hook(_OutputCast(self.policy.output_dtype))
+            if self.recipe.pure:
+                model.register_forward_pre_hook(_InputCast(self.policy.compute_dtype), with_kwargs=True)
+                for module in model.modules():
+                    for name, buf in module.named_buffers(recurse=False):
+                        if buf is not None and buf.is_floating_point():
+                            setattr(module, name, buf.to(self.policy.param_dtype))
         elif self.fp32_modules:
             keep_fp32(model, self.fp32_modules, self.device.type)
         if self.masters is not None:

@@ -39,6 +39,8 @@ def test_listing_the_commands_does_not_import_torch():
         (["--shape", "huge"], "Unknown shape 'huge'"),
         (["--recipes", "fp33"], "Unknown recipe 'fp33'"),
         (["--device", "cuda:x"], "Unknown device"),
+        (["--budget-s", "0"], "--budget-s must be > 0"),
+        (["--overhead", "--budget-s", "60"], "not to --overhead"),
     ],
 )
 def test_bad_arguments_exit_2_with_a_message(argv, message, capsys):

@@ -81,6 +81,7 @@ def test_bench_json_has_one_ok_result_per_variant_with_roofline_fields(tiny_doc)
     assert [r["peak_key"] for r in tiny_doc["results"]] == ["f32", "bf16", "f16"]
     fp32 = tiny_doc["results"][0]
     assert fp32["speedup_vs_fp32"]["median"] == 1.0
+    assert tiny_doc["settings"]["rounds_run"] == 2 and tiny_doc["settings"]["budget_s"] is None
 
 
 def test_bench_json_is_serialisable(tiny_doc):
@@ -110,3 +111,25 @@ def test_trainers_of_one_recipe_start_from_the_same_weights():
     a = runner.Trainer(Variant("fp32"), SHAPES["tiny"], CPU, "foreach", 1.0, batches)
     b = runner.Trainer(Variant("bf16-mixed"), SHAPES["tiny"], CPU, "foreach", 1.0, batches)
     assert all(torch.equal(p, q) for p, q in zip(a.model.parameters(), b.model.parameters()))
+
+
+def test_a_time_budget_skips_late_warmups_and_cuts_the_rounds(monkeypatch):
+    # each step "takes" 0.2 s: with 0.8 s, warm-ups may use 0.48 s, so two variants warm up,
+    # the others are skipped, and the rounds stop at the minimum of 3 instead of 20
+    import time
+
+    real_step = runner.Trainer.step
+
+    def slow_step(self):
+        time.sleep(0.2)
+        real_step(self)
+
+    monkeypatch.setattr(runner.Trainer, "step", slow_step)
+    variants = [Variant("fp32"), Variant("bf16-mixed"), Variant("fp16-mixed"), Variant("bf16-true")]
+    doc = run_bench(SHAPES["tiny"], CPU, variants, rounds=20, warmup=1, peaks=False, memory=False, budget_s=0.8)
+    status = {r["label"]: r["status"] for r in doc["results"]}
+    assert status == {"fp32": "ok", "bf16-mixed": "ok", "fp16-mixed": "skipped", "bf16-true": "skipped"}
+    assert "time budget" in doc["results"][2]["error"]
+    assert doc["settings"]["rounds_run"] == 3
+    ok = [r for r in doc["results"] if r["status"] == "ok"]
+    assert all(len(r["samples_s"]) == 3 for r in ok) and ok[1]["speedup_vs_fp32"]["n"] == 3

@@ -43,10 +43,29 @@ def test_o3_is_apex_pure_fp16():
     assert r.name == "fp16-pure" and r.description.startswith("UNSAFE")
     assert (r.master, r.loss_scaling, r.fp32_params, r.fp32_modules) == ("nearest", "none", (), ())
     assert r.policy.param_dtype == r.policy.compute_dtype == torch.float16
+    assert r.pure
     mp = MixedPrecision("O3", "cpu")
     model = mp.prepare(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.LayerNorm(4)))
     assert {p.dtype for p in model.parameters()} == {torch.float16}  # norms and biases too
+    assert model[1].running_var.dtype == torch.float16  # buffers too, as model.half() does
     assert mp.masters.kind == "nearest" and mp.scaler.__class__.__name__ == "NoOpScaler"
+    opt = torch.optim.SGD(mp.parameters(model), lr=0.1)
+    seen = []
+    model[0].register_forward_pre_hook(lambda m, a: seen.append(a[0].dtype))
+    before = model[0].weight.detach().clone()
+    with mp.autocast():
+        out = model(torch.randn(8, 4))  # an fp32 input: cast to fp16 on the way in
+    mp.step(out.pow(2).mean(), opt)
+    assert seen == [torch.float16] and out.dtype == torch.float32
+    assert not torch.equal(model[0].weight, before) and model[0].weight.dtype == torch.float16
+
+
+def test_pure_needs_16_bit_parameters_and_no_fp32_rule():
+    with pytest.raises(ValueError, match="pure=True"):
+        Recipe("x", Policy(torch.float32, torch.float16, torch.float32), pure=True)
+    with pytest.raises(ValueError, match="pure=True"):
+        Recipe("x", Policy(torch.float16, torch.float16, torch.float32), master="nearest", fp32_params=FP32_PARAMS,
+               pure=True)
 
 
 def test_mixed_recipes_keep_fp32_storage_and_no_master():

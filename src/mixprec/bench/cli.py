@@ -44,6 +44,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-memory", action="store_true", help="skip the activation/peak memory pass")
     parser.add_argument("--overhead", action="store_true", help="time MixedPrecision.step against the hand-written torch.amp loop")
     parser.add_argument("--plain", action="store_true", help="with --overhead: also time the hand loop on an unprepared model")
+    parser.add_argument("--budget-s", type=float, default=None, metavar="SECONDS",
+                        help="bound the run: warm-ups (compilation included) may take 60%%, variants past that are "
+                             "skipped, and the timed rounds stop early (at least 3) to finish in time")
     parser.add_argument("--json", default=None, metavar="PATH", help="write the full results (every sample) as JSON")
     parser.add_argument("--markdown", action="store_true", help="also print the tables as Markdown")
 
@@ -53,6 +56,10 @@ def _check(args: argparse.Namespace) -> str | None:
         value = getattr(args, name)
         if value is not None and value < (0 if name == "warmup" else 1):
             return f"--{name.replace('_', '-')} must be >= {0 if name == 'warmup' else 1}, got {value}"
+    if args.budget_s is not None and args.budget_s <= 0:
+        return f"--budget-s must be > 0, got {args.budget_s}"
+    if args.budget_s is not None and args.overhead:
+        return "--budget-s applies to the recipe benchmark, not to --overhead"
     if args.clip < 0:
         return f"--clip must be >= 0 (0 turns clipping off), got {args.clip}"
     if args.plain and not args.overhead:
@@ -124,18 +131,22 @@ def run(args: argparse.Namespace) -> int:
         warmup = args.warmup if args.warmup is not None else (3 if args.compile != "off" else 2)
         doc = run_bench(shape, device, variants, rounds=args.reps or 10, steps_per_round=args.steps_per_rep,
                         warmup=warmup, optimizer=(args.optimizer or [None])[0], clip=clip,
-                        peaks=not args.no_peak, peak_n=256 if shape.name == "tiny" else None, memory=not args.no_memory, log=log)
+                        peaks=not args.no_peak, peak_n=256 if shape.name == "tiny" else None, memory=not args.no_memory,
+                        budget_s=args.budget_s, log=log)
         headers, rows = tables.bench_rows(doc)
         console.print(tables.rich_table(f"reference block on {doc['env']['device_name']} ({device})", headers, rows))
         if doc["peaks"]:
             console.print(tables.rich_table("measured matmul peaks", *tables.peak_rows(doc)))
         for line in tables.roofline_lines(doc):
             console.print(line, highlight=False)
+        settings = doc["settings"]
+        if settings["rounds_run"] < settings["rounds"]:
+            console.print(f"time budget: {settings['rounds_run']} of {settings['rounds']} rounds ran", highlight=False)
     if args.markdown:
         print(tables.markdown_table(headers, rows))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)
         console.print(f"wrote {args.json}")
-    errors = [r for r in doc.get("results", doc.get("runs", [])) if r["status"] != "ok"]
+    errors = [r for r in doc.get("results", doc.get("runs", [])) if r["status"] == "error"]
     return 1 if errors else 0

@@ -13,6 +13,7 @@ import dataclasses
 import datetime
 import platform
 import sys
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -197,26 +198,43 @@ def run_bench(
     peak_n: int | None = None,
     memory: bool = True,
     syncs: bool = True,
+    budget_s: float | None = None,
     log: Log | None = None,
 ) -> dict[str, Any]:
     """Run the benchmark and return a JSON-ready dict (see docs/bench.md for its fields).
 
     A variant that fails to build or run is reported with ``status: "error"`` and its message; the
     others carry on.
+
+    ``budget_s`` bounds the whole run (for a time-boxed GPU session, where a cold
+    ``torch.compile`` of each variant can take tens of seconds): warm-ups (compilation included)
+    may use 60% of it, and a variant that would start past that is reported with ``status:
+    "skipped"``; the timed rounds stop early (at least 3) when the next round would not leave
+    time for the measurements after them. ``settings.rounds_run`` says how many ran.
     """
     say = log or (lambda msg: None)
+    t_start = time.perf_counter()
+
+    def elapsed() -> float:
+        return time.perf_counter() - t_start
     optimizer = optimizer or default_optimizer(device)
     flops = block_flops(shape)
     batches = make_batches(shape, device)
     results: dict[str, dict[str, Any]] = {}
     trainers: dict[str, Trainer] = {}
+    longest_warmup = 0.0
     for v in variants:
         res = results[v.label] = {"label": v.label, "recipe": v.recipe, "tf32": v.tf32, "compile": v.compile,
                                   "status": "ok", "error": None}
+        if budget_s is not None and elapsed() + longest_warmup > 0.6 * budget_s:
+            res.update(status="skipped", error=f"time budget: {elapsed():.0f}s of {budget_s:.0f}s spent on warm-ups")
+            say(f"{v.label}: skipped ({res['error']})")
+            continue
         try:
             t = Trainer(v, shape, device, optimizer, clip, batches)
             say(f"warming up {v.label}")
             res["warmup_s"] = time_call(lambda: [t.step() for _ in range(warmup)], device)
+            longest_warmup = max(longest_warmup, res["warmup_s"])
             trainers[v.label] = t
         except Exception as e:  # one broken recipe must not sink the table
             res.update(status="error", error=f"{type(e).__name__}: {e}")
@@ -224,16 +242,25 @@ def run_bench(
 
     samples: dict[str, list[float]] = {label: [] for label in trainers}
     order = interleaved_order(list(trainers), rounds)
+    rounds_run = 0
+    rounds_started = elapsed()
     for i, (r, label) in enumerate(order):
-        if label not in trainers:
-            continue
-        try:
-            samples[label].append(time_call(trainers[label].step, device, steps_per_round))
-        except Exception as e:
-            results[label].update(status="error", error=f"{type(e).__name__}: {e}")
-            del trainers[label]
-        if (i + 1) % max(1, len(samples)) == 0:
+        if label in trainers:
+            try:
+                samples[label].append(time_call(trainers[label].step, device, steps_per_round))
+            except Exception as e:
+                results[label].update(status="error", error=f"{type(e).__name__}: {e}")
+                del trainers[label]
+        if (i + 1) % max(1, len(samples)) == 0:  # a round is over
+            rounds_run = r + 1
             say(f"round {r + 1}/{rounds}")
+            if budget_s is not None and rounds_run >= 3 and rounds_run < rounds:
+                per_round = (elapsed() - rounds_started) / rounds_run
+                # after the rounds: ~6 steps per variant (memory, syncs) and the matmul peaks
+                after = sum(6 * Summary.of(samples[k]).median / steps_per_round for k in trainers if samples[k])
+                if elapsed() + per_round + after + (10.0 if peaks else 0.0) > budget_s:
+                    say(f"time budget: stopping after {rounds_run} of {rounds} rounds")
+                    break
 
     peak_results: dict[str, dict] = {}
     if peaks:
@@ -273,8 +300,9 @@ def run_bench(
 
     for label in trainers:
         base = _baseline_for(trainers[label].variant, set(trainers))
+        n = min(len(samples[base]), len(samples[label])) if base is not None else 0
         results[label]["speedup_vs_fp32"] = (
-            None if base is None else {"baseline": base, **paired_ratio(samples[base], samples[label])}
+            None if base is None else {"baseline": base, **paired_ratio(samples[base][:n], samples[label][:n])}
         )
 
     return {
@@ -283,8 +311,9 @@ def run_bench(
         "env": environment(device),
         "shape": {**dataclasses.asdict(shape), "tokens": shape.tokens},
         "flops": {**flops, "formula": FLOP_FORMULA},
-        "settings": {"rounds": rounds, "steps_per_round": steps_per_round, "warmup": warmup,
-                     "optimizer": f"AdamW({optimizer})", "max_grad_norm": clip},
+        "settings": {"rounds": rounds, "rounds_run": rounds_run, "steps_per_round": steps_per_round, "warmup": warmup,
+                     "optimizer": f"AdamW({optimizer})", "max_grad_norm": clip, "budget_s": budget_s,
+                     "elapsed_s": round(elapsed(), 1)},
         "peaks": peak_results,
         "results": list(results.values()),
     }

@@ -43,7 +43,7 @@ def bench_rows(doc: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     rows = []
     for r in doc["results"]:
         if r["status"] != "ok":
-            rows.append([r["label"], f"error: {_first_line(r['error'])}"] + [""] * (len(headers) - 2))
+            rows.append([r["label"], f"{r['status']}: {_first_line(r['error'])}"] + [""] * (len(headers) - 2))
             continue
         s, mem = r["step_s"], r.get("memory") or {}
         iqr = 100 * (s["q75"] - s["q25"]) / s["median"]
@@ -127,7 +127,7 @@ def compact_rows(doc: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     rows = []
     for r in doc["results"]:
         if r["status"] != "ok":
-            rows.append([r["label"], "error", _first_line(r["error"], 60), "", "", ""])
+            rows.append([r["label"], r["status"], _first_line(r["error"], 60), "", "", ""])
             continue
         mem = r.get("memory") or {}
         act = mem.get("cuda_forward_delta") if mem.get("cuda_forward_delta") is not None else mem.get("saved_bytes")
