@@ -111,6 +111,11 @@ def test_default_out_dir_is_under_mixprec_report(capsys, tmp_path, monkeypatch):
 def test_recipes_split_on_commas_except_inside_policy_strings():
     assert split_recipes(["fp32,bf16-mixed", "p=f32,c=f16", "fp16-mixed"]) == ("fp32", "bf16-mixed", "p=f32,c=f16", "fp16-mixed")
     assert split_recipes(None) is None
+    from mixprec.recipes import list_recipes
+
+    every = tuple(r.name for r in list_recipes())
+    assert split_recipes(["all"]) == every and "fp16-pure" in every
+    assert split_recipes(["bf16-mixed,all"]) == every[1:2] + every[:1] + every[2:]  # each once, first mention first
 
 
 def test_task_args_parse_python_literals_else_strings():

@@ -28,6 +28,7 @@ exit status: 0 all recipes track fp32; 1 some recipe does not; 2 the comparison 
 examples:
   mixprec compare
   mixprec compare --recipes bf16-mixed fp16-mixed --steps 300 --out my-report
+  mixprec compare --recipes all            # every recipe, the 16-bit storage ones included
   mixprec compare --task examples.compare_custom_task:make_task
   mixprec compare --task-arg d_model=64 --task-arg n_layer=4 --device cuda
   mixprec compare --quiet && echo "mixed precision is safe here"
@@ -40,7 +41,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--task-arg", action="append", default=[], metavar="KEY=VALUE",
                         help="keyword argument for the task factory (repeatable), e.g. d_model=64")
     parser.add_argument("--recipes", nargs="+", default=None, metavar="RECIPE",
-                        help="recipes to judge (names or jmp policy strings; commas also separate); "
+                        help="recipes to judge (names or jmp policy strings; commas also separate; 'all' for "
+                             "every registered recipe); "
                              "default: fp32 bf16-mixed fp16-mixed. fp32 always runs as the reference")
     parser.add_argument("--steps", type=_positive_int, default=None, help="optimizer steps per run (default: the task's)")
     parser.add_argument("--noise-seeds", type=_positive_int, default=2, metavar="N",
@@ -84,13 +86,19 @@ def split_recipes(items: list[str] | None) -> tuple[str, ...] | None:
     """``["fp32,bf16-mixed", "p=f32,c=f16"]`` -> ``("fp32", "bf16-mixed", "p=f32,c=f16")``.
 
     Commas separate names, except inside a jmp policy string (an item with '='), whose commas are its own.
+    ``all`` stands for every registered recipe (``mixprec recipes``).
     """
     if items is None:
         return None
     names: list[str] = []
     for item in items:
         names += [item.strip()] if "=" in item else [n.strip() for n in item.split(",") if n.strip()]
-    return tuple(names)
+    if any(n.lower() == "all" for n in names):
+        from mixprec.recipes import list_recipes
+
+        every = [r.name for r in list_recipes()]
+        names = [m for n in names for m in (every if n.lower() == "all" else [n])]
+    return tuple(dict.fromkeys(names))  # in order, each once
 
 
 def default_threads(threads: int | None, task: str | None, device: str | None) -> int | None:
