@@ -82,3 +82,22 @@ def without_generators(state: dict[str, Any]) -> dict[str, Any]:
     state = copy.deepcopy(state)
     state.get("mp", {}).get("masters", {}).pop("generators", None)
     return state
+
+
+def assert_resume_bitwise(make: Callable[[], tuple[nn.Module, MixedPrecision, torch.optim.Optimizer]],
+                          first: range, then: range,
+                          make_fresh: Callable[[], tuple[nn.Module, MixedPrecision, torch.optim.Optimizer]] | None = None,
+                          ) -> None:
+    """Train ``first`` then ``then``; a fresh run (``make_fresh``, default ``make``) loaded from the
+    checkpoint taken after ``first`` must end ``then`` bit for bit where the uninterrupted run did."""
+    model, mp, opt = make()
+    train(model, mp, opt, first)
+    ckpt = snapshot(model, mp, opt)
+    train(model, mp, opt, then)
+    expected = snapshot(model, mp, opt)
+    model2, mp2, opt2 = (make_fresh or make)()
+    model2.load_state_dict(ckpt["model"])
+    opt2.load_state_dict(ckpt["opt"])
+    mp2.load_state_dict(ckpt["mp"])
+    train(model2, mp2, opt2, then)
+    assert_bitwise_equal(expected, snapshot(model2, mp2, opt2))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from masters_helpers import STORAGE_RECIPES, assert_bitwise_equal, batch, snapshot, tiny_gpt, train
+from masters_helpers import STORAGE_RECIPES, assert_bitwise_equal, assert_resume_bitwise, batch, tiny_gpt, train
 from torch import nn
 
 from mixprec import MixedPrecision
@@ -62,17 +62,7 @@ def test_bf16_true_with_a_frozen_base_trains_bitwise_like_bf16_mixed():
 
 @pytest.mark.parametrize("recipe", ["bf16-true", "bf16-true-sr", "bf16-true-remainder"])
 def test_resume_with_a_frozen_base_continues_bit_for_bit(recipe):
-    model, mp, opt = setup_frozen(recipe)
-    train(model, mp, opt, range(3))
-    saved = snapshot(model, mp, opt)
-    train(model, mp, opt, range(3, 6))
-    want = snapshot(model, mp, opt)
-    model2, mp2, opt2 = setup_frozen(recipe)
-    model2.load_state_dict(saved["model"])
-    opt2.load_state_dict(saved["opt"])
-    mp2.load_state_dict(saved["mp"])
-    train(model2, mp2, opt2, range(3, 6))
-    assert_bitwise_equal(want, snapshot(model2, mp2, opt2))
+    assert_resume_bitwise(lambda: setup_frozen(recipe), range(3), range(3, 6))
 
 
 def test_unfreezing_after_prepare_is_refused_before_any_update():

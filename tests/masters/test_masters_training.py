@@ -7,7 +7,7 @@ import io
 import pytest
 import torch
 from masters_helpers import (
-    STORAGE_RECIPES, assert_bitwise_equal, batch, setup, snapshot, tiny_gpt, train, without_generators,
+    STORAGE_RECIPES, assert_bitwise_equal, assert_resume_bitwise, batch, setup, snapshot, tiny_gpt, train, without_generators,
 )
 from torch import nn
 
@@ -88,18 +88,8 @@ def test_skipped_step_leaves_model_masters_and_optimizer_bitwise_unchanged(recip
 
 @pytest.mark.parametrize("recipe", STORAGE_RECIPES)
 def test_resume_from_checkpoint_continues_bit_for_bit(recipe):
-    model, mp, opt = setup(recipe)
-    train(model, mp, opt, range(2))
-    ckpt = snapshot(model, mp, opt)
-    train(model, mp, opt, range(2, 4))
-    expected = snapshot(model, mp, opt)
-
-    model2, mp2, opt2 = setup(recipe, seed=1)  # a different init: loading must replace all of it
-    model2.load_state_dict(ckpt["model"])
-    opt2.load_state_dict(ckpt["opt"])
-    mp2.load_state_dict(ckpt["mp"])
-    train(model2, mp2, opt2, range(2, 4))
-    assert_bitwise_equal(expected, snapshot(model2, mp2, opt2))
+    # the fresh run starts from a different init: loading must replace all of it
+    assert_resume_bitwise(lambda: setup(recipe), range(2), range(2, 4), make_fresh=lambda: setup(recipe, seed=1))
 
 
 def test_optimizer_state_loaded_between_steps_stays_fp32():
