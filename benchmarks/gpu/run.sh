@@ -8,7 +8,7 @@
 # Every part runs under its own time limit and inside one shared budget (BUDGET seconds, default
 # 470); a part that fails or runs out of time is logged and the next one runs. Files in $OUT (8 at
 # most come back from the device tool): run.log, bench_eager.json, overhead.json, overhead_ref.json,
-# compile_main.json, compile_more.json, summary.md.
+# compile_main.json, masters_step.json, compile_more.json, summary.md.
 set -u
 cd "$(dirname "$0")/../.." || exit 1
 ROOT=$PWD
@@ -24,9 +24,9 @@ LOG=$OUT/run.log
 : > "$LOG"
 START=$(date +%s)
 if [ "$QUICK" = 1 ]; then
-  SHAPE=tiny; SMALL=tiny; REPS=2; OREPS=3; EXTRA="--threads 1"
+  SHAPE=tiny; SMALL=tiny; REPS=2; OREPS=3; MROUNDS=2; EXTRA="--threads 1"
 else
-  SHAPE=ref; SMALL=small; REPS=20; OREPS=30; EXTRA=""
+  SHAPE=ref; SMALL=small; REPS=20; OREPS=30; MROUNDS=20; EXTRA=""
 fi
 BENCH="$PY -m mixprec bench --device $DEVICE $EXTRA"
 
@@ -62,6 +62,8 @@ part eager 120 40 $BENCH --shape $SHAPE --reps $REPS --steps-per-rep 3 --tf32 bo
 # where the step's host overhead shows (a small, launch-bound shape), then the reference shape
 part overhead 90 30 $BENCH --overhead --shape $SMALL --recipes fp32 bf16-mixed fp16-mixed --optimizer fused foreach --reps $OREPS --plain --json "$OUT/overhead.json" --markdown
 part overhead-ref 60 25 $BENCH --overhead --shape $SHAPE --recipes bf16-mixed fp16-mixed --optimizer fused foreach --reps $(( OREPS * 2 / 3 )) --json "$OUT/overhead_ref.json" --markdown
+# the storage recipes' own step work on 150 small weight tensors (launch-bound on a GPU): what batching buys there
+part masters-step 45 15 $PY benchmarks/masters_step.py --device $DEVICE --rounds $MROUNDS --json "$OUT/masters_step.json"
 if [ "$NOCOMPILE" != 1 ]; then
   # the goal pair first (bf16-mixed against fp32, TF32 off), then every recipe (the cache makes repeats cheap)
   part compile-main 200 90 $BENCH --shape $SHAPE --compile on --tf32 off --recipes fp32 bf16-mixed --reps $REPS --steps-per-rep 3 --budget-s @BUDGET@ --json "$OUT/compile_main.json" --markdown

@@ -3,7 +3,7 @@
     python benchmarks/gpu/summary.py OUT_DIR
 
 Reads what the parts left in OUT_DIR (bench_eager.json, compile_main.json, compile_more.json,
-overhead.json, overhead_ref.json, run.log); a missing file just leaves its rows out.
+overhead.json, overhead_ref.json, masters_step.json, run.log); a missing file just leaves its rows out.
 """
 
 from __future__ import annotations
@@ -50,6 +50,16 @@ def summarize(out: pathlib.Path) -> str:
     for doc in overheads:
         if doc:
             lines += [f"## step overhead, shape {doc['shape']['name']}", "", tables.markdown_table(*tables.overhead_rows(doc)), ""]
+    masters = _load(out, "masters_step.json")
+    if masters:
+        a = masters["args"]
+        rows = [[r["recipe"], str(r["tensors"]), f"{r['step_ms']:.3f}",
+                 f"{r['vs_bf16_mixed']['median']:.3f} ({r['vs_bf16_mixed']['ci95_low']:.3f}-{r['vs_bf16_mixed']['ci95_high']:.3f})",
+                 f"{r['masters_ms']:.3f}", "-" if r["masters_us_per_tensor"] is None else f"{r['masters_us_per_tensor']:.1f}"]
+                for r in masters["rows"]]
+        lines += [f"## master-weight step work: {a['layers']} x Linear({a['width']}, {a['width']}), batch {a['batch']}", "",
+                  tables.markdown_table(["recipe", "16-bit tensors", "step ms", "vs bf16-mixed (95% CI)", "masters ms/step",
+                                         "us/tensor"], rows), ""]
     rows = [[g["goal"], g["target"], g["measured"], goals.verdict(g)] for g in goals.all_goals(eager, compiled, overheads)]
     lines += ["## goals", "", tables.markdown_table(["goal", "target", "measured", "verdict"], rows)]
     return "\n".join(lines) + "\n"
