@@ -133,3 +133,11 @@ def test_a_time_budget_skips_late_warmups_and_cuts_the_rounds(monkeypatch):
     assert doc["settings"]["rounds_run"] == 3
     ok = [r for r in doc["results"] if r["status"] == "ok"]
     assert all(len(r["samples_s"]) == 3 for r in ok) and ok[1]["speedup_vs_fp32"]["n"] == 3
+
+
+def test_a_budget_never_skips_the_first_two_variants():
+    # compile-main's pair (fp32, bf16-mixed) must both run however long their cold compiles take
+    variants = [Variant("fp32"), Variant("bf16-mixed"), Variant("fp16-mixed")]
+    doc = run_bench(SHAPES["tiny"], CPU, variants, rounds=5, warmup=1, peaks=False, memory=False, budget_s=0.001)
+    assert [r["status"] for r in doc["results"]] == ["ok", "ok", "skipped"]
+    assert doc["settings"]["rounds_run"] == 3

@@ -17,8 +17,10 @@ def test_storage_recipe_trains_bitwise_like_its_mixed_twin_on_cuda(recipe):
     twin = recipe.replace("-true", "-mixed")
     ref, mp_ref, opt_ref = setup(twin, device="cuda")
     model, mp, opt = setup(recipe, device="cuda")
-    a = train(ref, mp_ref, opt_ref, range(3), poison={1})
-    b = train(model, mp, opt, range(3), poison={1})
+    # an inf loss is a skipped step under fp16's scaler; bf16 has no scaler (it would step NaN)
+    poison = {1} if recipe.startswith("fp16") else set()
+    a = train(ref, mp_ref, opt_ref, range(3), poison=poison)
+    b = train(model, mp, opt, range(3), poison=poison)
     assert [float(s.loss) for s in a] == [float(s.loss) for s in b]
     masters = mp.masters.masters()
     for name, p in ref.named_parameters():
