@@ -20,7 +20,8 @@ When each component is alive (what ``peak`` assumes):
   bound: backward frees activations as gradients arrive.
 - optimizer step: 16-bit storage recipes turn 16-bit gradients into fp32 master gradients there
   (freeing the 16-bit ones), and the compact strategies (Kahan, SR, remainder) also rebuild an fp32
-  value for each weight for the duration of the step. Optimizer temporaries are not counted:
+  value for each weight for the duration of the step, plus the temporaries of one bucket of the
+  master-weight step (``StorageFacts.step_temp_bytes``). Optimizer temporaries are not counted:
   fused and per-tensor kernels make none; torch's foreach kernels add up to 4 B/param.
 """
 
@@ -62,6 +63,12 @@ class StorageFacts:
         autocast: the forward casts fp32 weights to the compute dtype (mixed recipes).
         norm_bytes: bytes per element of the residual stream and norm inputs (fp32 under mixprec's
             recipes: embeddings and norms stay fp32, so the residual sum stays fp32).
+        prob_bytes: bytes saved per attention probability (eager attention). None: the compute
+            bytes, as on CPU. CUDA autocast runs softmax in fp32, which saves the fp32 output
+            for softmax's backward and its 16-bit cast for the next matmul: 4 + compute bytes.
+        step_temp_bytes, bucket_numel: the master-weight step works on buckets of up to
+            ``bucket_numel`` parameters and allocates ``step_temp_bytes`` per element of one
+            bucket on top of the step-time fp32 memory (noticeable only for small models).
     """
 
     name: str
@@ -71,6 +78,9 @@ class StorageFacts:
     step_bytes: int = 0
     autocast: bool = False
     norm_bytes: int = 4
+    prob_bytes: int | None = None
+    step_temp_bytes: int = 0
+    bucket_numel: int = 0
 
     @property
     def stores_16bit(self) -> bool:
@@ -144,13 +154,15 @@ def activation_bytes(shape: TransformerShape, facts: StorageFacts) -> int:
       t*h*(14c + 2r)   14 h-wide tensors in the compute dtype (qkv input, q/k/v, attention output,
                        MLP input, GELU input and output at 4h) and the two norm inputs;
       + t*16           the two norms' mean and rstd (fp32);
-      + eager: heads * seq * t * c (softmax probabilities); flash: heads * t * 4 (log-sum-exp).
+      + eager: heads * seq * t * c (softmax probabilities; 4 + c under CUDA autocast, see
+        ``StorageFacts.prob_bytes``); flash: heads * t * 4 (log-sum-exp).
     Plus the head: final norm input t*h*r, head input t*h*c, fp32 log-probabilities t*vocab*4,
     token ids and targets t*16. With c=2, r=2 and dropout this is Korthikanti et al. (2022)'s
     34*s*b*h + 5*a*s**2*b; mixprec recipes keep the residual stream fp32 (r=4) and there is no dropout.
     """
     t, h, c, r = shape.batch * shape.seq, shape.d_model, facts.compute_bytes, facts.norm_bytes
-    attn = shape.heads * shape.seq * t * c if shape.attention == "eager" else shape.heads * t * 4
+    probs = c if facts.prob_bytes is None else facts.prob_bytes
+    attn = shape.heads * shape.seq * t * probs if shape.attention == "eager" else shape.heads * t * 4
     per_layer = t * h * (14 * c + 2 * r) + 16 * t + attn
     head = t * h * (r + c) + t * shape.vocab * 4 + 16 * t + 8 * t
     return shape.layers * per_layer + head
@@ -225,6 +237,8 @@ def plan(
     fwd_bwd = b["gradients"] + b["autocast weight copies"] + b["activations"]
     # at the step the 16-bit gradients have become fp32 master gradients (counted in step-time)
     step = t32 * 4 + b["step-time fp32"]
+    if t16:  # one bucket's temporaries in the master-weight step
+        step += min(t16, facts.bucket_numel or t16) * facts.step_temp_bytes
     notes = []
     if counts.matmul_weights is None and facts.autocast and not stores_16bit:
         notes.append("autocast copies assume every parameter is a matmul weight (an upper bound)")
@@ -236,10 +250,12 @@ def plan(
                 persistent + max(fwd_bwd, step), tuple(notes))
 
 
-def facts_from_recipe(recipe: Any) -> StorageFacts:
-    """``StorageFacts`` for a ``mixprec.Recipe`` (imports torch: the recipe already did)."""
+def facts_from_recipe(recipe: Any, device_type: str = "cpu") -> StorageFacts:
+    """``StorageFacts`` for a ``mixprec.Recipe`` on ``device_type`` (imports torch: the recipe
+    already did). The device matters for autocast's op lists: on CUDA softmax runs in fp32."""
     from mixprec.formats import get_format
     from mixprec.masters import STRATEGIES
+    from mixprec.masters.strategy import BUCKET_NUMEL
 
     param_bytes = get_format(recipe.policy.param_dtype).bytes
     compute_bytes = get_format(recipe.policy.compute_dtype).bytes
@@ -250,8 +266,11 @@ def facts_from_recipe(recipe: Any) -> StorageFacts:
         compute_bytes=compute_bytes,
         master_bytes=strategy.extra_bytes if strategy else 0,
         step_bytes=strategy.step_bytes if strategy else 0,
+        step_temp_bytes=strategy.temp_bytes if strategy else 0,
+        bucket_numel=BUCKET_NUMEL if strategy else 0,
         autocast=bool(recipe.autocast),
         norm_bytes=4,
+        prob_bytes=4 + compute_bytes if device_type == "cuda" and recipe.autocast and compute_bytes < 4 else None,
     )
 
 

@@ -47,7 +47,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     meas = parser.add_argument_group("measurement")
     meas.add_argument("--measure", action="store_true",
                       help="run one real step of the task (--model, or the built-in char GPT) and show measured bytes")
-    meas.add_argument("--device", default="cpu", help="device for --measure (default cpu)")
+    meas.add_argument("--device", default="cpu",
+                      help="device to plan for and to --measure on (default cpu); on cuda, autocast runs softmax in "
+                           "fp32, which changes the eager-attention activations")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -137,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
     results = []
     for recipe in recipes:
         counts = count_params(model, recipe) if model is not None else ParamCounts(parse_count(args.params), frozen=frozen)
-        p = plan(counts, facts_from_recipe(recipe), args.optimizer, shape)
+        p = plan(counts, facts_from_recipe(recipe, args.device.split(":")[0]), args.optimizer, shape)
         measured = measure_step(task, recipe, args.optimizer, args.device) if args.measure else None
         results.append((p, measured))
 

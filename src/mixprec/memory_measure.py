@@ -96,8 +96,10 @@ class Measured:
 
 
 def measure_step(task: Task, recipe: str | Recipe, optimizer: str = "adamw", device: str | torch.device | None = "cpu",
-                 seed: int = 0) -> Measured:
-    """Build ``task``'s model, prepare it for ``recipe``, run one step and measure what it held."""
+                 seed: int = 0, warmup: int = 1) -> Measured:
+    """Build ``task``'s model, prepare it for ``recipe``, run ``warmup`` steps, then one more step
+    and measure what it held. The warm-up makes the measured step a steady one: the optimizer
+    state exists from its start (it is created inside the first ``step()``), as in training."""
     dev = as_device(device)
     rec = resolve_recipe(recipe, dev)
     cuda = dev.type == "cuda"
@@ -112,6 +114,12 @@ def measure_step(task: Task, recipe: str | Recipe, optimizer: str = "adamw", dev
     mp = MixedPrecision(rec, dev)
     model = mp.prepare(model)
     opt = make_optimizer(optimizer, mp.parameters(model), dev)
+    for i in range(warmup):
+        w_in, w_tgt = to_device(task.get_batch(1 + i), dev)
+        with mp.autocast():
+            w_out = task.run_forward(model, w_in)
+        mp.step(task.loss_fn(w_out, w_tgt), opt)
+        del w_out
     inputs, targets = to_device(task.get_batch(0), dev)
 
     params = list(model.parameters())

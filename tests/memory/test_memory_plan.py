@@ -36,8 +36,13 @@ def test_seven_billion_params_with_adamw_need_56_gb_of_optimizer_state():
      ("bf16-true-kahan", 12, 20), ("bf16-true-remainder", 12, 20), ("bf16-true-sr", 10, 18), ("bf16-pure", 10, 18)],
 )
 def test_bytes_per_parameter_by_recipe(recipe, persistent, peak):
-    p = plan(ParamCounts(1000), facts_from_recipe(get_recipe(recipe)), "adamw")
-    assert (p.persistent / 1000, p.peak / 1000) == (persistent, peak)
+    facts = facts_from_recipe(get_recipe(recipe))
+    p = plan(ParamCounts(1000), facts, "adamw")
+    # plus, at the step, the temporaries of one bucket of the master-weight step (here the whole model)
+    temps = 1000 * facts.step_temp_bytes
+    assert (p.persistent / 1000, p.peak / 1000) == (persistent, peak + temps / 1000 if temps else peak)
+    big = plan(ParamCounts(7_000_000_000), facts, "adamw")  # a bucket is 2**24 parameters at most
+    assert big.peak == 7_000_000_000 * peak + min(7_000_000_000, facts.bucket_numel) * facts.step_temp_bytes
 
 
 @pytest.mark.parametrize("optimizer, state", [("adamw", 8), ("adam", 8), ("sgd", 0), ("sgd-momentum", 4),
@@ -98,3 +103,14 @@ def test_the_planner_module_does_not_import_torch():
     code = "import sys, mixprec.memory; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=src_env())
     assert out.stdout.strip() == "False"
+
+
+def test_cuda_autocast_keeps_fp32_softmax_probabilities_and_their_16_bit_cast():
+    cpu, cuda = (facts_from_recipe(get_recipe("bf16-mixed"), d) for d in ("cpu", "cuda"))
+    assert (cpu.prob_bytes, cuda.prob_bytes) == (None, 6)
+    assert facts_from_recipe(get_recipe("fp32"), "cuda").prob_bytes is None  # fp32: 4 B either way
+    shape = TransformerShape(batch=2, seq=8, d_model=16, layers=3, heads=2)
+    eager_probs = shape.layers * shape.heads * shape.seq * (shape.batch * shape.seq)
+    assert activation_bytes(shape, cuda) - activation_bytes(shape, cpu) == eager_probs * (6 - 2)
+    flash = TransformerShape(batch=2, seq=8, d_model=16, layers=3, heads=2, attention="flash")
+    assert activation_bytes(flash, cuda) == activation_bytes(flash, cpu)

@@ -116,6 +116,9 @@ class MasterWeights:
     extra_bytes = 0
     #: fp32 bytes per 16-bit parameter that exist only during the optimizer step (value, grad).
     step_bytes = 8
+    #: bytes per element of one bucket allocated on top of that, at the worst point of the step
+    #: (the flat 16-bit copies, the rounding arithmetic); measured by tests/masters.
+    temp_bytes = 2
     description = ""
 
     def __init__(self, storage_dtype: torch.dtype, fp32_params: Sequence[ParamRule]) -> None:
@@ -381,6 +384,7 @@ class Fp32Masters(MasterWeights):
     kind = "fp32"
     extra_bytes = 4
     step_bytes = 4  # the fp32 gradients
+    temp_bytes = 2  # the flat 16-bit gradients of a bucket, while they become fp32
     description = "fp32 master copy, cast back to the model after each step"
 
     def _init_bucket(self, b: _Bucket, values_32: list[torch.Tensor]) -> None:
@@ -424,6 +428,7 @@ class KahanMasters(MasterWeights):
 
     kind = "kahan"
     extra_bytes = 2
+    temp_bytes = 24  # the compensated addition in fp32
     description = "16-bit weights updated with a 16-bit Kahan compensation buffer"
 
     def _init_bucket(self, b: _Bucket, values_32: list[torch.Tensor]) -> None:
@@ -457,6 +462,7 @@ class StochasticRoundingMasters(MasterWeights):
 
     kind = "sr"
     extra_bytes = 0
+    temp_bytes = 17  # the random bits and the rounding
     description = "bf16 weights, stepped in fp32 and stochastically rounded back (unbiased)"
 
     def __init__(self, storage_dtype: torch.dtype, fp32_params: Sequence[ParamRule], seed: int | None = None) -> None:
@@ -501,6 +507,7 @@ class RemainderMasters(MasterWeights):
 
     kind = "remainder"
     extra_bytes = 2
+    temp_bytes = 11  # joining and splitting bit patterns
     description = "bf16 weights + int16 remainders = an exact fp32 master"
 
     def _init_bucket(self, b: _Bucket, values_32: list[torch.Tensor]) -> None:

@@ -1,0 +1,73 @@
+"""The memory the master-weight step allocates beyond its step-time fp32 values and gradients.
+
+``MasterWeights.temp_bytes`` (per element of one bucket) feeds the memory plan's peak; here it is
+checked against the allocations the step really makes, counted through the dispatcher: every new
+tensor storage an op creates, until it is freed (views and in-place ops allocate nothing).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from mixprec import MixedPrecision
+from mixprec.masters import STRATEGIES
+
+
+class LiveBytes(TorchDispatchMode):
+    """Peak bytes of tensor storages created inside the mode and still alive."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = self.peak = 0
+        self._seen: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.is_view or func._schema.name.endswith("_") or any(a.is_out for a in func._schema.arguments):
+            return out  # no new storage
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor):
+                st = t.untyped_storage()
+                key, n = st.data_ptr(), st.nbytes()
+                if n == 0 or key in self._seen:
+                    continue
+                self._seen.add(key)
+                self.live += n
+                self.peak = max(self.peak, self.live)
+                weakref.finalize(st, self._free, key, n)
+        return out
+
+    def _free(self, key: int, n: int) -> None:
+        self.live -= n
+        self._seen.discard(key)
+
+
+@pytest.mark.parametrize("recipe", ["bf16-true", "fp16-true", "bf16-true-kahan", "bf16-true-sr",
+                                    "bf16-true-remainder", "bf16-pure"])
+def test_declared_step_temporaries_match_what_the_step_allocates(recipe):
+    n = 256 * 256
+    mp = MixedPrecision(recipe, "cpu", fp32_params=())
+    model = mp.prepare(nn.Linear(256, 256, bias=False))  # one tensor: one bucket of n elements
+    opt = torch.optim.SGD(mp.parameters(model), lr=1e-3)  # stateless: only the strategy allocates
+    peaks = {}
+    for phase in ("after_backward", "after_step"):
+        inner = getattr(mp.masters, phase)
+
+        def measured(*args, _inner=inner, _phase=phase, **kwargs):
+            with LiveBytes() as live:
+                _inner(*args, **kwargs)
+            peaks[_phase] = live.peak / n
+
+        setattr(mp.masters, phase, measured)
+    with mp.autocast():
+        loss = model(torch.randn(4, 256)).float().pow(2).mean()
+    mp.step(loss, opt)
+    strategy = STRATEGIES[mp.recipe.master]
+    # after backward the step-time fp32 (gradients; values for the compact strategies) is new too
+    measured_temp = max(peaks["after_backward"] - strategy.step_bytes, peaks["after_step"])
+    assert strategy.temp_bytes - 2 <= measured_temp <= strategy.temp_bytes, peaks
