@@ -89,8 +89,9 @@ def test_gpu_script_dry_run_on_cpu_finishes_every_part(tmp_path):
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:]
     log = (tmp_path / "run.log").read_text()
-    for part in ("env", "cuda-tests", "eager", "overhead", "overhead-ref"):
+    for part in ("env", "cuda-tests", "eager", "overhead", "overhead-ref", "masters-step"):
         assert f"--- {part}: rc=0" in log
     assert {p.name for p in tmp_path.iterdir()} == {"run.log", "bench_eager.json", "overhead.json",
-                                                      "overhead_ref.json", "summary.md"}
-    assert "## goals" in proc.stdout
+                                                      "overhead_ref.json", "masters_step.json", "summary.md"}
+    assert "## goals" in proc.stdout and "## master-weight step work" in proc.stdout
+    assert "--budget-s" in log  # the bench parts plan for their time limit

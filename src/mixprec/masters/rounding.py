@@ -39,11 +39,12 @@ def stochastic_round_bf16(x_32: torch.Tensor, generator: torch.Generator | None 
     checkpoint must carry for resume to be bitwise.
     """
     bits = _bits(x_32)
-    noise = torch.randint(0, _LOW + 1, bits.shape, dtype=torch.int32, device=bits.device, generator=generator)
-    rounded_32 = ((bits + noise) & _HIGH_MASK).view(torch.float32)  # low bits are zero: the cast is exact
-    out_16 = rounded_32.to(torch.bfloat16)
+    # in place on the random bits: one int32 buffer, a mask and the result (7 bytes per element)
+    work = torch.randint(0, _LOW + 1, bits.shape, dtype=torch.int32, device=bits.device, generator=generator)
+    rounded_32 = work.add_(bits).bitwise_and_(_HIGH_MASK).view(torch.float32)  # low bits zero: the cast is exact
     # A NaN whose payload sits only in the dropped bits would come out as inf: keep specials as they are.
-    return torch.where(torch.isfinite(x_32), out_16, x_32.to(torch.bfloat16))
+    torch.where(torch.isfinite(x_32), rounded_32, x_32, out=rounded_32)
+    return rounded_32.to(torch.bfloat16)
 
 
 def nearest_bf16(x_32: torch.Tensor) -> torch.Tensor:
@@ -88,11 +89,14 @@ def kahan_add_(param_16: torch.Tensor, comp_16: torch.Tensor, update_32: torch.T
     the update is exactly zero nothing changes (a skipped step, a frozen element), so the pair
     is left bitwise as it was.
     """
+    # (written to keep temporaries few: mixed-dtype ops upcast inside the kernel, results land in
+    # place or in 16-bit outputs)
     p_32 = param_16.float()
-    y_32 = update_32 - comp_16.float()  # the update plus what earlier roundings dropped
-    t_16 = (p_32 + y_32).to(param_16.dtype)
+    y_32 = torch.sub(update_32, comp_16)  # the update plus what earlier roundings dropped
+    t_16 = torch.add(p_32, y_32, out=torch.empty_like(param_16))  # the sum, rounded to 16 bits
     # t - p is exact in fp32 (both are 16-bit values close together): minus y, it is what was dropped, negated
-    c_16 = ((t_16.float() - p_32) - y_32).to(comp_16.dtype)
+    c_16 = torch.sub(t_16, p_32).sub_(y_32).to(comp_16.dtype)
+    del p_32, y_32
     moved = update_32 != 0
-    param_16.copy_(torch.where(moved, t_16, param_16))
-    comp_16.copy_(torch.where(moved, c_16, comp_16))
+    torch.where(moved, t_16, param_16, out=param_16)
+    torch.where(moved, c_16, comp_16, out=comp_16)

@@ -428,7 +428,7 @@ class KahanMasters(MasterWeights):
 
     kind = "kahan"
     extra_bytes = 2
-    temp_bytes = 24  # the compensated addition in fp32
+    temp_bytes = 22  # the compensated addition in fp32
     description = "16-bit weights updated with a 16-bit Kahan compensation buffer"
 
     def _init_bucket(self, b: _Bucket, values_32: list[torch.Tensor]) -> None:
@@ -437,7 +437,7 @@ class KahanMasters(MasterWeights):
 
     def _write_back_bucket(self, b: _Bucket) -> None:
         p_16 = self._flat_params(b)
-        kahan_add_(p_16, b.extra["comp"], self._stepped_values(b) - p_16.float())
+        kahan_add_(p_16, b.extra["comp"], torch.sub(self._stepped_values(b), p_16))
         self._store_params(b, p_16)
 
     def master_value(self, slot: _Slot) -> torch.Tensor:
@@ -462,7 +462,7 @@ class StochasticRoundingMasters(MasterWeights):
 
     kind = "sr"
     extra_bytes = 0
-    temp_bytes = 17  # the random bits and the rounding
+    temp_bytes = 11  # the random bits, the finiteness test and the rounded result
     description = "bf16 weights, stepped in fp32 and stochastically rounded back (unbiased)"
 
     def __init__(self, storage_dtype: torch.dtype, fp32_params: Sequence[ParamRule], seed: int | None = None) -> None:
