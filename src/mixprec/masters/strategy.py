@@ -22,7 +22,7 @@ The per-step work runs on **buckets**: consecutive parameters on one device, up 
 ``BUCKET_NUMEL`` elements, concatenated into one flat tensor for the step. A handful of ops per
 bucket replaces a handful per parameter (a model of 300 tensors paid ~150 us per tensor for a
 Kahan write-back on a CPU); the bucket size bounds the temporaries. The model's parameters stay
-separate tensors (``model.to()`` and ``load_state_dict`` keep working); only the strategies' own
+separate tensors (references, ties and ``load_state_dict`` keep working); only the strategies' own
 buffers (Kahan compensation, remainders) are flat per bucket, with one view per parameter.
 
 A skipped step (inf/NaN gradients) leaves proxies as they were, and writing back an unchanged
@@ -69,13 +69,7 @@ class _Bucket:
     value_32: torch.Tensor | None = None  # the proxies' flat fp32 values during a step (compact strategies)
     value_ptrs: list[int] = dataclasses.field(default_factory=list)  # where each proxy's view of it starts
 
-    @property
-    def sizes(self) -> list[int]:
-        return [s.param.numel() for s in self.slots]
-
-    @property
-    def numel(self) -> int:
-        return sum(self.sizes)
+    numel: int = 0  # elements of all its slots
 
 
 def _buckets(slots: Sequence[_Slot], limit: int) -> list[_Bucket]:
@@ -85,6 +79,7 @@ def _buckets(slots: Sequence[_Slot], limit: int) -> list[_Bucket]:
         if b is None or b.device != s.param.device or b.numel + s.param.numel() > limit:
             out.append(_Bucket([], s.param.device))
         out[-1].slots.append(s)
+        out[-1].numel += s.param.numel()
     return out
 
 
