@@ -54,7 +54,7 @@ def _guard(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         cached = optimizer.__dict__["_mixprec_guard"] = (count, role, frozen)
     role, frozen = cached[1], cached[2]
     for p, (_, owner, name) in frozen:  # frozen 16-bit weights (no master) must stay frozen
-        if p.grad is not None:
+        if not owner.stepping and p.grad is not None:  # inside mp.step the strategy checked already
             raise RuntimeError(unfrozen_after_prepare(name, owner.storage_dtype))
     if role is None:
         return

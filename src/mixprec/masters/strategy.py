@@ -144,6 +144,7 @@ class MasterWeights:
             )
         keep = set(fp32_param_names(model, self.fp32_params))
         self.fp32_names = sorted(keep)
+        values_32: list[torch.Tensor] = []  # per slot, in order: the fp32 value before storage
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if name in keep or not p.is_floating_point():
@@ -158,16 +159,17 @@ class MasterWeights:
                 placeholder = self._placeholder(p)
                 proxy = nn.Parameter(placeholder, requires_grad=p.requires_grad)
                 slot = _Slot(name, p, proxy, placeholder)
-                slot.extra["value_32"] = p.detach().clone()  # until _init_bucket has used it
+                values_32.append(p.detach().clone())
                 p.data = p.data.to(self.storage_dtype)
                 p._mixprec_role = ("stored", self, name)  # type: ignore[attr-defined]
                 proxy._mixprec_role = ("proxy", self, name)  # type: ignore[attr-defined]
                 self.slots.append(slot)
                 self._by_param[id(p)] = slot
             self.buckets = _buckets(self.slots, self.bucket_numel)
+            start = 0  # buckets hold consecutive slots
             for b in self.buckets:
-                values = [s.extra.pop("value_32") for s in b.slots]
-                self._init_bucket(b, values)
+                self._init_bucket(b, values_32[start:start + len(b.slots)])
+                start += len(b.slots)
         self._model = model
         install_guard()
 
@@ -272,7 +274,7 @@ class MasterWeights:
 
     def _materialize_flat(self, b: _Bucket) -> torch.Tensor:
         """The bucket's fp32 values, flat, rebuilt from what the strategy keeps."""
-        return _flat([s.param.data for s in b.slots]).to(torch.float32)
+        return self._flat_params(b).to(torch.float32)
 
     def _materialize_bucket(self, b: _Bucket) -> None:
         b.value_32 = self._materialize_flat(b)
