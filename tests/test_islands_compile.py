@@ -75,8 +75,8 @@ def test_prepared_model_compiles_into_one_graph_and_matches_eager():
 
 @pytest.mark.slow
 def test_an_island_around_a_matmul_compiles_and_matches_eager():
-    # Needs the autocast switch inside the graph: one graph on torch 2.13, a graph break on 2.11
-    # (its dynamo cannot trace torch.set_autocast_enabled); the numbers must match eager either way.
+    # Needs autocast off inside the graph: one graph, no break, on torch 2.11 and 2.13 (2.11's
+    # dynamo cannot trace torch.set_autocast_enabled, which an earlier version switched in a hook).
     # (no elementwise op between the layers: inductor may fuse one into a matmul's epilogue and
     # skip a bf16 rounding that eager does, which is not what this test is about)
     torch.manual_seed(0)
@@ -85,10 +85,60 @@ def test_an_island_around_a_matmul_compiles_and_matches_eager():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         all_bf16 = net(x)
     keep_fp32(net, ["1"])
-    compiled = torch.compile(net)
+    compiled = torch.compile(net, fullgraph=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         want, got = net(x), compiled(x)
         assert torch.is_autocast_enabled("cpu")
     assert got.dtype == want.dtype == torch.bfloat16
     assert torch.equal(got, want)
     assert not torch.equal(got, all_bf16)  # the island's layer did run in fp32
+
+
+def test_island_forward_wrapper_keeps_signature_survives_copies_and_is_removed():
+    import copy
+    import inspect
+    import io
+
+    from mixprec.islands import remove_fp32_islands
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.LayerNorm(8))
+    keep_fp32(net, ["1", "norms"])
+    assert "forward" in net[1].__dict__  # a Linear: autocast must be off inside
+    assert "forward" not in net[2].__dict__  # a built-in norm: the casts are enough
+    assert list(inspect.signature(net[1].forward).parameters) == ["input"]
+    x = torch.randn(4, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = net(x)
+    buf = io.BytesIO()
+    torch.save(net, buf)
+    buf.seek(0)
+    for other in (copy.deepcopy(net), torch.load(buf, weights_only=False)):
+        assert other[1].forward.module is other[1]
+        assert list(inspect.signature(other[1].forward).parameters) == ["input"]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert torch.equal(other(x), want)
+    assert remove_fp32_islands(net) == 2
+    assert "forward" not in net[1].__dict__
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert net[1](x).dtype == torch.bfloat16  # autocast lowers it again
+
+
+def test_island_calls_an_instance_forward_the_module_already_had():
+    from mixprec.islands import remove_fp32_islands
+
+    probe = _Probe()
+    own = probe.forward  # e.g. set by another library's wrapper
+    calls = []
+
+    def patched(x):
+        calls.append(x.dtype)
+        return own(x)
+
+    probe.forward = patched
+    keep_fp32(probe, ["_Probe"])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        probe(torch.randn(2, 4).bfloat16())
+    assert calls == [torch.float32] and probe.seen == [(False, torch.float32)]
+    remove_fp32_islands(probe)
+    assert probe.forward is patched

@@ -14,10 +14,12 @@ Why norms: under CPU autocast ``layer_norm`` is not on the fp32 list and runs in
 runs in fp32), and a variance of small activations underflows in fp16. An island makes the
 numerics the same on every device.
 
-Under ``torch.compile`` a prepared model's default islands (built-in norms) trace into one graph on
-torch 2.11 and 2.13 alike (both tested): they only cast, since a norm computes in fp32 once its inputs are fp32. An
-island around a module that autocast would lower (a Linear head) switches autocast off, which
-compiles into the graph on torch 2.13 and is a graph break on 2.11 (same numbers, slower).
+Under ``torch.compile`` islands trace into one graph on torch 2.11 and 2.13 alike (both tested).
+Built-in norms only cast, since a norm computes in fp32 once its inputs are fp32; an island around
+a module that autocast would lower (a Linear head) also runs its forward inside
+``torch.autocast(..., enabled=False)``, through a wrapper set as the module's instance ``forward``
+(a context manager inside a function is what dynamo traces; a switch made in a pre-hook and undone
+in a post-hook is not, on every version).
 
 >>> import torch
 >>> net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
@@ -69,23 +71,31 @@ def _first_tensor(obj: Any, floating: bool = False) -> torch.Tensor | None:
 
 
 class Fp32Island:
-    """The pair of forward hooks that make a module an fp32 island. Installed by ``keep_fp32``.
+    """What makes a module an fp32 island. Installed by ``keep_fp32``.
 
-    The post-hook is registered with ``always_call=True`` so autocast is restored even when the
-    module's forward raises.
+    A forward pre-hook casts floating inputs to fp32 and a forward hook casts floating outputs back
+    to the 16-bit dtype the module received (registered with ``always_call=True``). For a module
+    that is not a built-in norm, autocast must also be off while it runs: its instance ``forward``
+    is replaced by an ``_AutocastOffForward`` wrapper (removed again by ``detach``).
     """
 
     def __init__(self, device_type: str | None = None) -> None:
         self.device_type = device_type
-        # per active call: (device type whose autocast this island switched off, dtype to hand back)
-        self._stack: list[tuple[str | None, torch.dtype | None]] = []
+        # per active call: the dtype to hand back (None: leave the output alone)
+        self._stack: list[torch.dtype | None] = []
         self.handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._wrapper: _AutocastOffForward | None = None
 
     def attach(self, module: nn.Module) -> "Fp32Island":
         self.handles = [
             module.register_forward_pre_hook(self._pre, with_kwargs=True),
             module.register_forward_hook(self._post, always_call=True),
         ]
+        # A norm whose forward has no op autocast lowers computes in fp32 once its inputs are fp32:
+        # the casts are enough, and leave autocast alone.
+        if type(module) not in _AUTOCAST_NEUTRAL:
+            self._wrapper = _AutocastOffForward(self, module, module.__dict__.get("forward"))
+            module.forward = self._wrapper  # type: ignore[method-assign]
         module._mixprec_island = self  # type: ignore[attr-defined]
         return self
 
@@ -93,40 +103,68 @@ class Fp32Island:
         for h in self.handles:
             h.remove()
         self.handles = []
+        wrapper, self._wrapper = self._wrapper, None
+        if wrapper is not None and module.__dict__.get("forward") is wrapper:
+            if wrapper.inner is None:
+                del module.forward
+            else:
+                module.forward = wrapper.inner  # type: ignore[method-assign]
         if getattr(module, "_mixprec_island", None) is self:
             del module._mixprec_island  # type: ignore[attr-defined]
 
+    def device_of(self, args: Any, kwargs: Any) -> str | None:
+        if self.device_type:
+            return self.device_type
+        first = _first_tensor((args, kwargs))
+        return first.device.type if first is not None else None
+
     def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        first, first_float = _first_tensor((args, kwargs)), _first_tensor((args, kwargs), floating=True)
-        device_type = self.device_type or (first.device.type if first is not None else None)
+        device_type = self.device_of(args, kwargs)
+        first_float = _first_tensor((args, kwargs), floating=True)
         in_dtype = first_float.dtype if first_float is not None else None
         active = bool(device_type) and torch.is_autocast_enabled(device_type)
-        # A norm whose forward has no op autocast lowers computes in fp32 once its inputs are fp32:
-        # only cast. Leaving autocast alone there also lets torch.compile trace the default
-        # islands in one graph on torch versions whose dynamo cannot trace the switch (2.11).
-        switch = active and type(module) not in _AUTOCAST_NEUTRAL
-        if switch:
-            # Switched directly rather than with an autocast(enabled=False) context: a context
-            # entered in this hook and left in the post-hook cannot be traced by torch.compile
-            # (dynamo fails on it), while the plain switch compiles into one graph. Inside the
-            # enclosing autocast region the two do the same.
-            torch.set_autocast_enabled(device_type, False)
         # Output goes back to what autocast would have handed the next op: the autocast dtype
         # when the input was 16-bit, else whatever came in.
-        back = in_dtype if in_dtype in (torch.float16, torch.bfloat16) else None
-        self._stack.append((device_type if switch else None, back))
+        self._stack.append(in_dtype if in_dtype in (torch.float16, torch.bfloat16) else None)
         if in_dtype in (torch.float16, torch.bfloat16) or active:
             args = cast_floating(args, torch.float32)
             kwargs = cast_floating(kwargs, torch.float32)
         return args, kwargs
 
     def _post(self, module: nn.Module, args: tuple, output: Any) -> Any:
-        switched, back = self._stack.pop()
-        if switched is not None:
-            torch.set_autocast_enabled(switched, True)
+        back = self._stack.pop()
         if back is not None and output is not None:
             return cast_floating(output, back)
         return output
+
+
+class _AutocastOffForward:
+    """An island module's instance ``forward``: the module's own forward with autocast off.
+
+    ``inner`` is an instance ``forward`` the module already had (else the class's is called).
+    ``__wrapped__`` lets ``inspect.signature(module.forward)`` see the real parameters.
+    """
+
+    def __init__(self, island: Fp32Island, module: nn.Module, inner: Callable[..., Any] | None) -> None:
+        self.island, self.module, self.inner = island, module, inner
+
+    @property
+    def __wrapped__(self) -> Callable[..., Any]:
+        # computed on access: a stored bound method would pickle as getattr(module, "forward"),
+        # which after unpickling is this wrapper again
+        return self.inner if self.inner is not None else type(self.module).forward.__get__(self.module)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        device_type = self.island.device_of(args, kwargs)
+        if device_type and torch.is_autocast_enabled(device_type):
+            with torch.autocast(device_type, enabled=False):
+                return self._run(args, kwargs)
+        return self._run(args, kwargs)
+
+    def _run(self, args: tuple, kwargs: dict) -> Any:
+        if self.inner is not None:
+            return self.inner(*args, **kwargs)
+        return type(self.module).forward(self.module, *args, **kwargs)
 
 
 # Norm classes (exact types, not subclasses: a subclass may add a matmul) whose forward runs no op
