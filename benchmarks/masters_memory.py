@@ -85,7 +85,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=5, help="steps per timed round")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
+    ap.add_argument("--bucket-numel", type=int, default=None,
+                    help="elements per bucket of the master-weight step (default 2**24): a small value makes "
+                         "this small model step in several buckets, as a large one does")
     args = ap.parse_args(argv)
+    if args.bucket_numel:
+        import mixprec.masters.strategy as strategy
+
+        strategy.BUCKET_NUMEL = args.bucket_numel
 
     device = as_device(args.device)
     if args.threads:
@@ -109,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
             "planned_persistent_bytes_per_param": p.persistent / n,
             "weights_grads_masters_per_param": (m.bytes["weights"] + m.bytes["gradients"] + m.bytes["masters"]) / n,
             "step_time_fp32_per_param": m.bytes["step-time fp32"] / n,
+            "planned_step_time_fp32_per_param": p.bytes["step-time fp32"] / n,
+            "planned_peak_bytes_per_param": p.peak / n,
             "activations_bytes": m.bytes["activations"] + m.bytes["autocast weight copies"],
             "cuda_peak_allocated": m.peak_allocated,
         }
@@ -121,14 +130,17 @@ def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    env = f"{device}, torch {torch.__version__}, {torch.get_num_threads()} threads"
+    from mixprec.masters.strategy import BUCKET_NUMEL
+
+    env = f"{device}, torch {torch.__version__}, {torch.get_num_threads()} threads, buckets of {BUCKET_NUMEL:,} elements"
     table = Table(title=f"{task.description}; AdamW; {env}")
     for col in ("recipe", "persistent B/param", "w+g+masters B/param", "step-time fp32 B/param",
-                "activations", "step ms", "vs fp32"):
+                "planned peak B/param", "activations", "step ms", "vs fp32"):
         table.add_column(col, justify="left" if col == "recipe" else "right")
     for r, row in rows.items():
         table.add_row(r, f"{row['persistent_bytes_per_param']:.2f}", f"{row['weights_grads_masters_per_param']:.2f}",
-                      f"{row['step_time_fp32_per_param']:.2f}", f"{row['activations_bytes'] / 1e6:.2f} MB",
+                      f"{row['step_time_fp32_per_param']:.2f}", f"{row['planned_peak_bytes_per_param']:.2f}",
+                      f"{row['activations_bytes'] / 1e6:.2f} MB",
                       f"{row['step_seconds'] * 1e3:.1f}", f"{row['step_time_vs_fp32']:.2f}x")
     Console(width=160).print(table)
     print("persistent = weights + masters + optimizer state (measured); fp32 norms/biases/embeddings included.")

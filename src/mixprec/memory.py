@@ -20,9 +20,10 @@ When each component is alive (what ``peak`` assumes):
   bound: backward frees activations as gradients arrive.
 - optimizer step: 16-bit storage recipes turn 16-bit gradients into fp32 master gradients there
   (freeing the 16-bit ones), and the compact strategies (Kahan, SR, remainder) also rebuild an fp32
-  value for each weight for the duration of the step, plus the temporaries of one bucket of the
-  master-weight step (``StorageFacts.step_temp_bytes``). Optimizer temporaries are not counted:
-  fused and per-tensor kernels make none; torch's foreach kernels add up to 4 B/param.
+  value for each weight of one bucket at a time (the step runs a bucket at a time with the
+  per-parameter optimizers planned here), plus the temporaries of one bucket of the master-weight
+  step (``StorageFacts.step_temp_bytes``). Optimizer temporaries are not counted: fused and
+  per-tensor kernels make none; torch's foreach kernels add up to 4 B/param.
 """
 
 from __future__ import annotations
@@ -58,8 +59,10 @@ class StorageFacts:
         compute_bytes: bytes per activation element in the compute dtype.
         master_bytes: bytes per 16-bit parameter the master-weight strategy keeps (fp32 copy 4,
             Kahan compensation 2, int16 remainder 2, stochastic rounding 0).
-        step_bytes: fp32 bytes per 16-bit parameter alive only during the optimizer step (fp32
-            gradient 4, plus the rebuilt fp32 value 4 for strategies that keep no fp32 copy).
+        step_bytes: fp32 bytes per 16-bit parameter alive only during the optimizer step (the
+            fp32 gradient: 4).
+        step_value_bytes: fp32 bytes per 16-bit parameter of one bucket rebuilt for the step by
+            strategies that keep no fp32 copy (4; 0 for fp32 masters).
         autocast: the forward casts fp32 weights to the compute dtype (mixed recipes).
         norm_bytes: bytes per element of the residual stream and norm inputs (fp32 under mixprec's
             recipes: embeddings and norms stay fp32, so the residual sum stays fp32).
@@ -76,6 +79,7 @@ class StorageFacts:
     compute_bytes: int
     master_bytes: int = 0
     step_bytes: int = 0
+    step_value_bytes: int = 0
     autocast: bool = False
     norm_bytes: int = 4
     prob_bytes: int | None = None
@@ -99,6 +103,9 @@ class ParamCounts:
         frozen: of ``total``, how many are frozen (``requires_grad=False``): no gradients, no
             optimizer state, and no masters (16-bit storage recipes store them in 16 bits only).
         frozen_fp32_kept: of the frozen ones, how many the fp32 rule keeps in fp32.
+        largest: elements of the largest trainable tensor a 16-bit storage recipe stores in 16
+            bits (0: unknown). The master-weight step works on buckets of up to 2**24 elements,
+            but a tensor larger than that (a 32000 x 4096 embedding) is a bucket of its own.
     """
 
     total: int
@@ -106,6 +113,7 @@ class ParamCounts:
     matmul_weights: int | None = None
     frozen: int = 0
     frozen_fp32_kept: int = 0
+    largest: int = 0
 
     def __post_init__(self) -> None:
         if self.total < 0 or not 0 <= self.fp32_kept <= self.total:
@@ -224,6 +232,8 @@ def plan(
     t16 = n16 - (counts.frozen - counts.frozen_fp32_kept if stores_16bit else 0)
     t32 = counts.trainable - t16
     matmul = n if counts.matmul_weights is None else counts.matmul_weights
+    # the largest bucket of the master-weight step (a tensor larger than a bucket is one alone)
+    bucket = min(t16, max(facts.bucket_numel, counts.largest)) if facts.bucket_numel else t16
     b = {
         "weights": n16 * facts.param_bytes + n32 * 4,
         "masters": t16 * facts.master_bytes,
@@ -231,19 +241,23 @@ def plan(
         "gradients": t16 * facts.param_bytes + t32 * 4,
         "autocast weight copies": matmul * facts.compute_bytes if facts.autocast and not stores_16bit else 0,
         "activations": activation_bytes(shape, facts) if shape is not None else 0,
-        "step-time fp32": t16 * facts.step_bytes,
+        # the gradients of every 16-bit parameter, the rebuilt values of one bucket of them
+        "step-time fp32": t16 * facts.step_bytes + bucket * facts.step_value_bytes,
     }
     persistent = b["weights"] + b["masters"] + b["optimizer state"]
     fwd_bwd = b["gradients"] + b["autocast weight copies"] + b["activations"]
     # at the step the 16-bit gradients have become fp32 master gradients (counted in step-time)
     step = t32 * 4 + b["step-time fp32"]
     if t16:  # one bucket's temporaries in the master-weight step
-        step += min(t16, facts.bucket_numel or t16) * facts.step_temp_bytes
+        step += bucket * facts.step_temp_bytes
     notes = []
     if counts.matmul_weights is None and facts.autocast and not stores_16bit:
         notes.append("autocast copies assume every parameter is a matmul weight (an upper bound)")
     if stores_16bit and counts.fp32_kept == 0:
         notes.append("every parameter counted as stored in 16 bits (pass a model to apply the fp32 rule)")
+    if t16 > facts.bucket_numel > 0 and not counts.largest and facts.step_value_bytes + facts.step_temp_bytes:
+        notes.append(f"the master-weight step is planned in buckets of {facts.bucket_numel:,} parameters; a larger "
+                     "single tensor (an untied LM head) is a bucket of its own: pass --model to count it")
     if shape is None:
         notes.append("no activations: give --batch --seq --d-model --layers --heads for a transformer estimate")
     return Plan(facts.name, optimizer.lower(), counts, b, persistent, fwd_bwd, step,
@@ -266,6 +280,7 @@ def facts_from_recipe(recipe: Any, device_type: str = "cpu") -> StorageFacts:
         compute_bytes=compute_bytes,
         master_bytes=strategy.extra_bytes if strategy else 0,
         step_bytes=strategy.step_bytes if strategy else 0,
+        step_value_bytes=strategy.value_bytes if strategy else 0,
         step_temp_bytes=strategy.temp_bytes if strategy else 0,
         bucket_numel=BUCKET_NUMEL if strategy else 0,
         autocast=bool(recipe.autocast),

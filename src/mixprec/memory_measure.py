@@ -10,7 +10,8 @@ so views and ties count once):
   forward and the loss (a saved-tensors hook), minus parameters and masters. Autocast's 16-bit
   weight copies are saved tensors too; they are told apart by matching a parameter's shape (or its transpose).
 - step-time fp32: what the fp32 masters' gradients and rebuilt values hold when the optimizer
-  steps (an optimizer pre-step hook).
+  steps (an optimizer pre-step hook; a step that runs a bucket at a time calls it once per bucket,
+  and the most any call saw is reported: gradients are freed bucket by bucket as they are used).
 - on CUDA, also ``torch.cuda.max_memory_allocated()`` over the step, less what was allocated
   before the model was built: the real peak of this model's training.
 """
@@ -61,6 +62,10 @@ def count_params(model: nn.Module, recipe: Recipe) -> ParamCounts:
         kept = sum(p.numel() for p in kept_params)
         frozen_kept = sum(p.numel() for p in kept_params if not p.requires_grad)
     frozen = sum(p.numel() for p in params.values() if not p.requires_grad)
+    largest = 0
+    if recipe.stores_16bit:
+        kept_ids = {id(p) for p in kept_params}
+        largest = max((p.numel() for p in params.values() if p.requires_grad and id(p) not in kept_ids), default=0)
     matmul: dict[int, int] = {}
     for m in model.modules():
         if isinstance(m, _MATMUL) and isinstance(getattr(m, "weight", None), nn.Parameter):
@@ -70,7 +75,7 @@ def count_params(model: nn.Module, recipe: Recipe) -> ParamCounts:
                 w = getattr(m, name, None)
                 if isinstance(w, nn.Parameter):
                     matmul[id(w)] = w.numel()
-    return ParamCounts(sum(p.numel() for p in params.values()), kept, sum(matmul.values()), frozen, frozen_kept)
+    return ParamCounts(sum(p.numel() for p in params.values()), kept, sum(matmul.values()), frozen, frozen_kept, largest)
 
 
 def _nbytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -140,9 +145,13 @@ def measure_step(task: Task, recipe: str | Recipe, optimizer: str = "adamw", dev
              for p in params if p.requires_grad]
     step_time: list[int] = []
 
+    # taken now: a bucketed step shows the optimizer one bucket's part of its groups at a time
+    held = [p for g in opt.param_groups for p in g["params"] if getattr(p, "_mixprec_role", ("",))[0] == "proxy"]
+
     def pre_step(o: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        held = [p for g in o.param_groups for p in g["params"] if getattr(p, "_mixprec_role", ("",))[0] == "proxy"]
-        values = [p.data for p in held if p.untyped_storage().data_ptr() not in persistent]
+        # rebuilt values (not a bucket's zero-byte placeholder: an expanded scalar)
+        values = [p.data for p in held if p.untyped_storage().data_ptr() not in persistent
+                  and p.untyped_storage().nbytes() >= p.numel() * p.element_size()]
         step_time.append(_nbytes([*values, *(p.grad for p in held if p.grad is not None)]))
 
     hooks.append(opt.register_step_pre_hook(pre_step))
@@ -172,6 +181,6 @@ def measure_step(task: Task, recipe: str | Recipe, optimizer: str = "adamw", dev
         "gradients": sum(grads.values()),
         "autocast weight copies": copies,
         "activations": sum(b for b, _ in saved.values()) - copies,
-        "step-time fp32": step_time[0] if step_time else 0,
+        "step-time fp32": max(step_time, default=0),
     }
     return Measured(measured, counts, peak, str(dev))

@@ -18,6 +18,8 @@ the 16-bit model. Their optimizer is built over ``mp.parameters(model)``, the fp
 
 from __future__ import annotations
 
+import contextlib
+
 import dataclasses
 import warnings
 from collections.abc import Iterable, Sequence
@@ -342,8 +344,10 @@ class MixedPrecision:
             self.scaler.unscale_(opt)  # before clipping: clip the true gradients, not scaled ones
         self.scaler.share_skip_decision(opts)  # one overflow anywhere skips every optimizer
         grad_norm = self._clip_or_measure(opts, parameters, max_grad_norm, norm_type)
-        for opt in opts:
-            self.scaler.step(opt)
+        # a 16-bit storage recipe may step (and write back) its masters a bucket at a time
+        with self.masters.bucketed_step(opts) if self.masters is not None else contextlib.nullcontext():
+            for opt in opts:
+                self.scaler.step(opt)
         self.scaler.update()
         if self.masters is not None:  # stepped (or skipped: unchanged) masters -> 16-bit model
             self.masters.after_step()

@@ -40,6 +40,18 @@ def test_plan_matches_measured_bytes_of_one_step(task, recipe):
     assert measured.bytes["activations"] == pytest.approx(p.bytes["activations"], rel=0.01)
 
 
+@pytest.mark.parametrize("recipe", ["bf16-true-sr", "bf16-true-kahan"])
+def test_a_step_in_several_buckets_holds_one_bucket_of_values(task, recipe, monkeypatch):
+    monkeypatch.setattr("mixprec.masters.strategy.BUCKET_NUMEL", 4096)  # as a large model's 2**24
+    measured = measure_step(task, recipe, "adamw", "cpu")
+    p = plan(measured.counts, facts_from_recipe(get_recipe(recipe)), "adamw", SHAPE)
+    t16 = measured.counts.trainable - measured.counts.fp32_kept
+    grads = 4 * t16  # every fp32 gradient, plus the values of the largest bucket at most
+    assert measured.counts.largest == 64 * 4 * 64  # an MLP weight: a bucket of its own
+    assert grads < measured.bytes["step-time fp32"] <= p.bytes["step-time fp32"] == grads + 4 * measured.counts.largest
+    assert measured.bytes["step-time fp32"] <= grads + 4 * t16 / 4  # not every value at once
+
+
 @pytest.mark.parametrize("optimizer", ["sgd", "sgd-momentum", "adagrad", "rmsprop", "adam"])
 def test_optimizer_state_plan_matches_torch(task, optimizer):
     measured = measure_step(task, "bf16-true", optimizer, "cpu")

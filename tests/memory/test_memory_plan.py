@@ -23,26 +23,39 @@ def test_seven_billion_params_with_adamw_need_56_gb_of_optimizer_state():
 
 
 # persistent (weights + masters + optimizer state) and peak bytes per parameter with AdamW and no
-# activations, every parameter stored the recipe's way:
+# activations, every parameter stored the recipe's way, for a model of one bucket:
 #   fp32        4 + 0 + 8 = 12; peak + 4 fp32 grads                          = 16
 #   bf16-mixed  4 + 0 + 8 = 12; peak + 4 grads + 2 autocast copies            = 18
 #   bf16-true   2 + 4 + 8 = 14; peak + max(2 bf16 grads, 4 fp32 master grads) = 18
 #   kahan       2 + 2 + 8 = 12; peak + 8 at the step (fp32 grad and value)    = 20
 #   remainder   2 + 2 + 8 = 12; peak + 8                                      = 20
 #   sr, pure    2 + 0 + 8 = 10; peak + 8                                      = 18
+# The compact strategies rebuild the fp32 value of one bucket (2**24 parameters) at a time: for a
+# large model their step needs the fp32 gradients (4) plus one bucket's value and temporaries.
 @pytest.mark.parametrize(
-    "recipe, persistent, peak",
-    [("fp32", 12, 16), ("bf16-mixed", 12, 18), ("bf16-true", 14, 18), ("fp16-true", 14, 18),
-     ("bf16-true-kahan", 12, 20), ("bf16-true-remainder", 12, 20), ("bf16-true-sr", 10, 18), ("bf16-pure", 10, 18)],
+    "recipe, persistent, peak, value",
+    [("fp32", 12, 16, 0), ("bf16-mixed", 12, 18, 0), ("bf16-true", 14, 18, 0), ("fp16-true", 14, 18, 0),
+     ("bf16-true-kahan", 12, 20, 4), ("bf16-true-remainder", 12, 20, 4), ("bf16-true-sr", 10, 18, 4),
+     ("bf16-pure", 10, 18, 4)],
 )
-def test_bytes_per_parameter_by_recipe(recipe, persistent, peak):
+def test_bytes_per_parameter_by_recipe(recipe, persistent, peak, value):
     facts = facts_from_recipe(get_recipe(recipe))
+    assert facts.step_value_bytes == value
     p = plan(ParamCounts(1000), facts, "adamw")
     # plus, at the step, the temporaries of one bucket of the master-weight step (here the whole model)
     temps = 1000 * facts.step_temp_bytes
     assert (p.persistent / 1000, p.peak / 1000) == (persistent, peak + temps / 1000 if temps else peak)
     big = plan(ParamCounts(7_000_000_000), facts, "adamw")  # a bucket is 2**24 parameters at most
-    assert big.peak == 7_000_000_000 * peak + min(7_000_000_000, facts.bucket_numel) * facts.step_temp_bytes
+    bucket = min(7_000_000_000, facts.bucket_numel)
+    assert big.peak == 7_000_000_000 * (peak - value) + bucket * (value + facts.step_temp_bytes)
+
+
+def test_compact_strategies_lower_the_peak_of_a_large_model_below_fp32_masters():
+    # what the bucketed step buys: 7B parameters, AdamW, no activations
+    peaks = {r: plan(ParamCounts(7_000_000_000), facts_from_recipe(get_recipe(r)), "adamw").peak / 1e9
+             for r in ("bf16-true", "bf16-true-kahan", "bf16-true-sr")}
+    assert peaks["bf16-true-sr"] < peaks["bf16-true-kahan"] < peaks["bf16-true"]
+    assert round(peaks["bf16-true"]) == 126 and round(peaks["bf16-true-sr"]) == 98
 
 
 @pytest.mark.parametrize("optimizer, state", [("adamw", 8), ("adam", 8), ("sgd", 0), ("sgd-momentum", 4),
@@ -114,3 +127,14 @@ def test_cuda_autocast_keeps_fp32_softmax_probabilities_and_their_16_bit_cast():
     assert activation_bytes(shape, cuda) - activation_bytes(shape, cpu) == eager_probs * (6 - 2)
     flash = TransformerShape(batch=2, seq=8, d_model=16, layers=3, heads=2, attention="flash")
     assert activation_bytes(flash, cuda) == activation_bytes(flash, cpu)
+
+
+def test_a_tensor_larger_than_a_bucket_is_planned_as_a_bucket_of_its_own():
+    facts = facts_from_recipe(get_recipe("bf16-true-sr"))
+    head = 32000 * 4096  # an untied LM head: above 2**24 elements
+    bare = plan(ParamCounts(7_000_000_000), facts, "adamw")
+    known = plan(ParamCounts(7_000_000_000, largest=head), facts, "adamw")
+    assert bare.bytes["step-time fp32"] == 7_000_000_000 * 4 + facts.bucket_numel * 4
+    assert known.bytes["step-time fp32"] == 7_000_000_000 * 4 + head * 4
+    assert known.peak - bare.peak == (head - facts.bucket_numel) * (4 + facts.step_temp_bytes)
+    assert any("bucket of its own" in n for n in bare.notes) and not any("bucket" in n for n in known.notes)

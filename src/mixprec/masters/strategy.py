@@ -14,6 +14,15 @@ How the pieces meet (the contract ``MixedPrecision`` relies on):
 - ``after_step()`` (after the scaler's update) writes each proxy back into 16-bit storage, the
   strategy's way, and releases what was only needed for the step.
 
+The compact strategies step **one bucket at a time** when they can (``bucketed_step``, around
+the scaler's ``step`` call): a bucket's fp32 values are rebuilt, the optimizer steps only that
+bucket's masters, the result is written back to 16 bits and the bucket's fp32 values and gradients
+are freed before the next. The step then holds fp32 gradients for the model plus fp32 values for
+one bucket, not for the whole model (the planner's figure). That needs an optimizer for which
+stepping parameters in parts is the same as stepping them at once (per-parameter updates:
+``PER_PARAMETER_OPTIMIZERS``) and a single optimizer; otherwise every value is rebuilt at the
+boundary and the optimizer steps once (the same numbers, more memory).
+
 What a proxy is between steps is the strategy's choice: the fp32 master itself (``fp32``), or a
 zero-byte placeholder of the right shape (the compact strategies: their fp32 value exists only
 during the step, rebuilt from what they keep).
@@ -32,6 +41,7 @@ masters, model and optimizer state bitwise unchanged without a host sync.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
@@ -58,6 +68,14 @@ class _Slot:
 #: below a few hundred MB; a parameter larger than this is a bucket of its own.
 BUCKET_NUMEL = 1 << 24
 
+#: Optimizers (exact classes: a subclass may look across parameters) whose update of a parameter
+#: depends only on that parameter, its gradient and its own state: stepping their parameters a
+#: bucket at a time gives bitwise the same result as one step over all of them (tested).
+PER_PARAMETER_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
+    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, torch.optim.RMSprop,
+    torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adadelta,
+)
+
 
 @dataclasses.dataclass
 class _Bucket:
@@ -68,6 +86,7 @@ class _Bucket:
     extra: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # flat strategy buffers
     value_32: torch.Tensor | None = None  # the proxies' flat fp32 values during a step (compact strategies)
     value_ptrs: list[int] = dataclasses.field(default_factory=list)  # where each proxy's view of it starts
+    written: bool = False  # stepped and written back by a bucketed step
 
     numel: int = 0  # elements of all its slots
 
@@ -98,6 +117,54 @@ def _scatter_(dst: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
     torch._foreach_copy_(list(dst), _views(flat, dst))
 
 
+class _StepInBuckets:
+    """While active, ``optimizer.step(...)`` runs once per bucket (then once for the optimizer's
+    parameters outside any bucket: fp32-kept ones), each time with ``param_groups`` cut down to
+    that part; the instance ``step`` it replaces (an lr scheduler's counter) is what it calls."""
+
+    def __init__(self, owner: "MasterWeights", opt: torch.optim.Optimizer) -> None:
+        self.owner, self.opt = owner, opt
+        self.saved = opt.__dict__.get("step")
+        self.inner = self.saved if self.saved is not None else type(opt).step.__get__(opt)
+
+    def __enter__(self) -> "_StepInBuckets":
+        self.opt.step = self  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.saved is None:
+            del self.opt.step
+        else:
+            self.opt.step = self.saved  # type: ignore[method-assign]
+
+    @property
+    def __wrapped__(self) -> Any:  # inspect.signature(opt.step) sees the real one
+        return self.inner
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        owner, opt = self.owner, self.opt
+        where = {id(s.proxy): i for i, b in enumerate(owner.buckets) for s in b.slots}
+        parts: list[list[list[torch.Tensor]]] = [[[] for _ in opt.param_groups] for _ in range(len(owner.buckets) + 1)]
+        for gi, g in enumerate(opt.param_groups):
+            for p in g["params"]:
+                parts[where.get(id(p), -1)][gi].append(p)
+        out = None
+        for b, groups in zip(owner.buckets, parts):
+            if any(p.grad is not None for part in groups for p in part):
+                out = owner._step_bucket(b, opt, groups, self.inner, args, kwargs)
+        rest = parts[-1]  # parameters the strategy does not store (fp32-kept, other models')
+        if any(rest):
+            full = [g["params"] for g in opt.param_groups]
+            try:
+                for g, part in zip(opt.param_groups, rest):
+                    g["params"] = part
+                out = self.inner(*args, **kwargs)
+            finally:
+                for g, params in zip(opt.param_groups, full):
+                    g["params"] = params
+        return out
+
+
 class MasterWeights:
     """Base class: bookkeeping and the step protocol; subclasses say how fp32 values are kept.
 
@@ -109,8 +176,11 @@ class MasterWeights:
     kind = "?"
     #: persistent bytes per 16-bit parameter on top of its own 2 (what the planner uses).
     extra_bytes = 0
-    #: fp32 bytes per 16-bit parameter that exist only during the optimizer step (value, grad).
-    step_bytes = 8
+    #: fp32 bytes per 16-bit parameter that exist for the whole optimizer step (the gradient).
+    step_bytes = 4
+    #: fp32 bytes per 16-bit parameter of the value rebuilt for the step: for one bucket at a time
+    #: when the step runs in buckets, for every parameter at once otherwise.
+    value_bytes = 4
     #: bytes per element of one bucket allocated on top of that, at the worst point of the step
     #: (the flat 16-bit copies, the rounding arithmetic); measured by tests/masters.
     temp_bytes = 2
@@ -132,6 +202,8 @@ class MasterWeights:
         self.bucket_numel = BUCKET_NUMEL
         #: parameters frozen at prepare (requires_grad False): stored in 16 bits, no master
         self.frozen: list[tuple[str, nn.Parameter]] = []
+        #: the current step runs a bucket at a time (decided at the boundary, see ``bucketed_step``)
+        self.in_buckets = False
 
     # ------------------------------------------------------------------ attach
 
@@ -245,19 +317,66 @@ class MasterWeights:
                 for s in (*dense_fresh, *fresh, *accum):
                     s.param.grad = None
             if boundary:
-                for b in self.buckets:
-                    self._materialize_bucket(b)
+                self.in_buckets = self.can_step_in_buckets(optimizers)
+                if not self.in_buckets:
+                    for b in self.buckets:
+                        self._materialize_bucket(b)
                 self.stepping = True
 
+    def can_step_in_buckets(self, optimizers: Sequence[torch.optim.Optimizer]) -> bool:
+        """Whether the coming step can run a bucket at a time (see the module docstring)."""
+        return (
+            self.value_bytes > 0
+            and len(optimizers) == 1
+            and type(optimizers[0]) in PER_PARAMETER_OPTIMIZERS
+        )
+
+    def bucketed_step(self, optimizers: Sequence[torch.optim.Optimizer]) -> Any:
+        """A context for the scaler's ``step(optimizer)`` calls: when this step runs in buckets,
+        the optimizer's ``step`` is replaced (on the instance, for the duration) by one that steps
+        a bucket at a time, writing each back before the next is rebuilt."""
+        if not self.in_buckets:
+            return contextlib.nullcontext()
+        return _StepInBuckets(self, optimizers[0])
+
+    def _step_bucket(self, b: _Bucket, opt: torch.optim.Optimizer, groups: list[list[torch.Tensor]],
+                     step: Any, args: tuple, kwargs: dict) -> Any:
+        """Rebuild, step (the optimizer sees only ``groups``: this bucket's part of each param
+        group), write back and free one bucket."""
+        with torch.no_grad():
+            self._materialize_bucket(b)
+        full = [g["params"] for g in opt.param_groups]
+        try:
+            for g, part in zip(opt.param_groups, groups):
+                g["params"] = part
+            out = step(*args, **kwargs)
+        finally:
+            for g, params in zip(opt.param_groups, full):
+                g["params"] = params
+        with torch.no_grad():
+            self._write_back_bucket(b)
+            b.written = True
+            for s in b.slots:
+                s.proxy.grad = None  # the bucket's fp32 gradients go now, not at zero_grad
+            self._release_bucket(b)
+        return out
+
     def after_step(self) -> None:
-        """Write the stepped fp32 values back into 16-bit storage and release step-only memory."""
+        """Write the stepped fp32 values back into 16-bit storage and release step-only memory.
+
+        After a bucketed step, only what it did not reach is left: buckets the optimizer skipped
+        (an overflow with an unfused optimizer) or does not hold hold no rebuilt value, and their
+        16-bit weights are already what a skipped step leaves.
+        """
         with torch.no_grad():
             for b in self.buckets:
-                self._write_back_bucket(b)
+                if not self.in_buckets:
+                    self._write_back_bucket(b)
                 for s in b.slots:
                     s.proxy.grad = None
                 self._release_bucket(b)
-        self.stepping = False
+                b.written = False
+        self.stepping = self.in_buckets = False
 
     def _stepped_values(self, b: _Bucket) -> torch.Tensor:
         """The bucket's fp32 values after the optimizer step, flat."""
@@ -380,7 +499,7 @@ class Fp32Masters(MasterWeights):
 
     kind = "fp32"
     extra_bytes = 4
-    step_bytes = 4  # the fp32 gradients
+    value_bytes = 0  # the masters are the values: nothing to rebuild, the step runs whole
     temp_bytes = 2  # the flat 16-bit gradients of a bucket, while they become fp32
     description = "fp32 master copy, cast back to the model after each step"
 
