@@ -40,3 +40,33 @@ def test_compact_strategies_resume_bit_for_bit_on_cuda(recipe):
     mp2.load_state_dict(ckpt["mp"])
     train(model2, mp2, opt2, range(2, 4))
     assert_bitwise_equal(expected, snapshot(model2, mp2, opt2))
+
+
+@pytest.mark.parametrize("recipe", ["bf16-true-kahan", "bf16-true-sr", "bf16-true-remainder"])
+def test_bucketed_step_on_cuda_is_bitwise_the_whole_step_and_never_syncs(recipe, monkeypatch):
+    from mixprec.masters.strategy import MasterWeights
+    from mixprec.tasks.charlm import lm_loss
+
+    fused = lambda ps: torch.optim.AdamW(ps, lr=3e-3, fused=True)  # noqa: E731
+
+    def run(bucketed):
+        monkeypatch.setattr("mixprec.masters.strategy.BUCKET_NUMEL", 300)  # several buckets
+        if not bucketed:
+            monkeypatch.setattr(MasterWeights, "can_step_in_buckets", lambda self, opts: False)
+        model, mp, opt = setup(recipe, device="cuda", optimizer=fused)
+        train(model, mp, opt, range(2))  # the optimizer state exists from here on
+        x = torch.randint(0, 96, (4, 16), device="cuda")
+        with mp.autocast():
+            loss = lm_loss(model(x), torch.roll(x, -1, dims=1))
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            mp.step(loss, opt, max_grad_norm=1.0)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert mp.masters.in_buckets is False and len(mp.masters.buckets) > 1
+        out = snapshot(model, mp, opt)
+        monkeypatch.undo()
+        return out
+
+    assert_bitwise_equal(run(False), run(True))
