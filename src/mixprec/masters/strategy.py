@@ -86,7 +86,6 @@ class _Bucket:
     extra: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # flat strategy buffers
     value_32: torch.Tensor | None = None  # the proxies' flat fp32 values during a step (compact strategies)
     value_ptrs: list[int] = dataclasses.field(default_factory=list)  # where each proxy's view of it starts
-    written: bool = False  # stepped and written back by a bucketed step
 
     numel: int = 0  # elements of all its slots
 
@@ -154,15 +153,22 @@ class _StepInBuckets:
                 out = owner._step_bucket(b, opt, groups, self.inner, args, kwargs)
         rest = parts[-1]  # parameters the strategy does not store (fp32-kept, other models')
         if any(rest):
-            full = [g["params"] for g in opt.param_groups]
-            try:
-                for g, part in zip(opt.param_groups, rest):
-                    g["params"] = part
+            with _showing_only(opt, rest):
                 out = self.inner(*args, **kwargs)
-            finally:
-                for g, params in zip(opt.param_groups, full):
-                    g["params"] = params
         return out
+
+
+@contextlib.contextmanager
+def _showing_only(opt: torch.optim.Optimizer, groups: list[list[torch.Tensor]]) -> Iterator[None]:
+    """Each of ``opt``'s param groups holds only its part in ``groups`` for the duration."""
+    full = [g["params"] for g in opt.param_groups]
+    try:
+        for g, part in zip(opt.param_groups, groups):
+            g["params"] = part
+        yield
+    finally:
+        for g, params in zip(opt.param_groups, full):
+            g["params"] = params
 
 
 class MasterWeights:
@@ -345,17 +351,10 @@ class MasterWeights:
         group), write back and free one bucket."""
         with torch.no_grad():
             self._materialize_bucket(b)
-        full = [g["params"] for g in opt.param_groups]
-        try:
-            for g, part in zip(opt.param_groups, groups):
-                g["params"] = part
+        with _showing_only(opt, groups):
             out = step(*args, **kwargs)
-        finally:
-            for g, params in zip(opt.param_groups, full):
-                g["params"] = params
         with torch.no_grad():
             self._write_back_bucket(b)
-            b.written = True
             for s in b.slots:
                 s.proxy.grad = None  # the bucket's fp32 gradients go now, not at zero_grad
             self._release_bucket(b)
@@ -365,7 +364,7 @@ class MasterWeights:
         """Write the stepped fp32 values back into 16-bit storage and release step-only memory.
 
         After a bucketed step, only what it did not reach is left: buckets the optimizer skipped
-        (an overflow with an unfused optimizer) or does not hold hold no rebuilt value, and their
+        (an overflow with an unfused optimizer) or does not hold have no rebuilt value, and their
         16-bit weights are already what a skipped step leaves.
         """
         with torch.no_grad():
@@ -375,7 +374,6 @@ class MasterWeights:
                 for s in b.slots:
                     s.proxy.grad = None
                 self._release_bucket(b)
-                b.written = False
         self.stepping = self.in_buckets = False
 
     def _stepped_values(self, b: _Bucket) -> torch.Tensor:
