@@ -14,7 +14,7 @@ from mixprec_test_env import src_env
 CORE = {
     "FloatFormat", "get_format", "Policy", "get_policy", "Recipe", "get_recipe", "resolve_recipe",
     "list_recipes", "register_recipe", "GradScaler", "StaticLossScaler", "NoOpScaler", "ScaleFloorError",
-    "fp32_island", "Fp32Island", "keep_fp32", "Fp32LayerNorm", "Fp32GroupNorm", "Fp32RMSNorm",
+    "fp32_island", "Fp32Island", "keep_fp32", "remove_fp32_islands", "island_names", "Fp32LayerNorm", "Fp32GroupNorm", "Fp32RMSNorm",
     "MixedPrecision", "StepStats", "Task", "load_task", "__version__",
 }
 

@@ -37,6 +37,8 @@ _EXPORTS: dict[str, str] = {
     "fp32_island": "mixprec.islands",
     "Fp32Island": "mixprec.islands",
     "keep_fp32": "mixprec.islands",
+    "remove_fp32_islands": "mixprec.islands",
+    "island_names": "mixprec.islands",
     "Fp32LayerNorm": "mixprec.islands",
     "Fp32GroupNorm": "mixprec.islands",
     "Fp32RMSNorm": "mixprec.islands",
