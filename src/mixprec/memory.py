@@ -19,11 +19,13 @@ When each component is alive (what ``peak`` assumes):
   backward), + activations saved for backward. All gradients plus all activations is an upper
   bound: backward frees activations as gradients arrive.
 - optimizer step: 16-bit storage recipes turn 16-bit gradients into fp32 master gradients there
-  (freeing the 16-bit ones), and the compact strategies (Kahan, SR, remainder) also rebuild an fp32
-  value for each weight of one bucket at a time (the step runs a bucket at a time with the
-  per-parameter optimizers planned here), plus the temporaries of one bucket of the master-weight
-  step (``StorageFacts.step_temp_bytes``). Optimizer temporaries are not counted: fused and
-  per-tensor kernels make none; torch's foreach kernels add up to 4 B/param.
+  (freeing the 16-bit ones). The compact strategies (Kahan, SR, remainder) step a bucket at a time
+  (with the per-parameter optimizers planned here): they rebuild an fp32 value for the weights of
+  one bucket, and, having no loss scaler, make that bucket's fp32 gradients only then (the 16-bit
+  ones wait on the model); plus the temporaries of one bucket of the master-weight step
+  (``StorageFacts.step_temp_bytes``). Optimizer temporaries are not counted: fused and
+  per-tensor kernels make none; torch's foreach kernels add up to 4 B/param. Gradient
+  accumulation is not planned (its fp32 accumulators hold 4 B/param through the window).
 """
 
 from __future__ import annotations
@@ -63,6 +65,9 @@ class StorageFacts:
             fp32 gradient: 4).
         step_value_bytes: fp32 bytes per 16-bit parameter of one bucket rebuilt for the step by
             strategies that keep no fp32 copy (4; 0 for fp32 masters).
+        defers_grads: the step keeps the 16-bit gradients until each bucket's turn and makes
+            fp32 gradients one bucket at a time (the compact strategies without a loss scaler,
+            planned for ``accumulate=1``: accumulation keeps fp32 gradients for the whole model).
         autocast: the forward casts fp32 weights to the compute dtype (mixed recipes).
         norm_bytes: bytes per element of the residual stream and norm inputs (fp32 under mixprec's
             recipes: embeddings and norms stay fp32, so the residual sum stays fp32).
@@ -80,6 +85,7 @@ class StorageFacts:
     master_bytes: int = 0
     step_bytes: int = 0
     step_value_bytes: int = 0
+    defers_grads: bool = False
     autocast: bool = False
     norm_bytes: int = 4
     prob_bytes: int | None = None
@@ -241,13 +247,15 @@ def plan(
         "gradients": t16 * facts.param_bytes + t32 * 4,
         "autocast weight copies": matmul * facts.compute_bytes if facts.autocast and not stores_16bit else 0,
         "activations": activation_bytes(shape, facts) if shape is not None else 0,
-        # the gradients of every 16-bit parameter, the rebuilt values of one bucket of them
-        "step-time fp32": t16 * facts.step_bytes + bucket * facts.step_value_bytes,
+        # the fp32 gradients of every 16-bit parameter (of one bucket, when they are made bucket
+        # by bucket) and the rebuilt values of one bucket
+        "step-time fp32": (bucket if facts.defers_grads else t16) * facts.step_bytes + bucket * facts.step_value_bytes,
     }
     persistent = b["weights"] + b["masters"] + b["optimizer state"]
     fwd_bwd = b["gradients"] + b["autocast weight copies"] + b["activations"]
-    # at the step the 16-bit gradients have become fp32 master gradients (counted in step-time)
-    step = t32 * 4 + b["step-time fp32"]
+    # at the step the 16-bit gradients have become fp32 master gradients (counted in step-time),
+    # or wait on the model for their bucket's turn (a bucket's own are freed once made fp32)
+    step = t32 * 4 + b["step-time fp32"] + ((t16 - bucket) * facts.param_bytes if facts.defers_grads else 0)
     if t16:  # one bucket's temporaries in the master-weight step
         step += bucket * facts.step_temp_bytes
     notes = []
@@ -281,6 +289,7 @@ def facts_from_recipe(recipe: Any, device_type: str = "cpu") -> StorageFacts:
         master_bytes=strategy.extra_bytes if strategy else 0,
         step_bytes=strategy.step_bytes if strategy else 0,
         step_value_bytes=strategy.value_bytes if strategy else 0,
+        defers_grads=bool(strategy and strategy.value_bytes and recipe.loss_scaling == "none"),
         step_temp_bytes=strategy.temp_bytes if strategy else 0,
         bucket_numel=BUCKET_NUMEL if strategy else 0,
         autocast=bool(recipe.autocast),

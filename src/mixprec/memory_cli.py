@@ -190,7 +190,8 @@ def run(args: argparse.Namespace) -> int:
     for note in sorted({note for p, _ in results for note in p.notes}):
         console.print(f"  note: {note}")
     console.print("  peak = persistent + max(forward/backward: gradients + autocast copies + activations, "
-                  "optimizer step: fp32 gradients and one bucket of rebuilt fp32 values)")
+                  "optimizer step: fp32 gradients (the compact strategies: 16-bit gradients and one "
+                  "bucket of fp32 ones) and one bucket of rebuilt fp32 values)")
     if args.measure and args.device.startswith("cpu"):
         console.print("  measured on CPU: tensor storages (no allocator peak); on CUDA the peak row is max_memory_allocated")
     return 0

@@ -333,7 +333,10 @@ class MixedPrecision:
         self._loss_sum = detached if self._loss_sum is None else self._loss_sum + detached
         self._micro += 1
         if self.masters is not None:  # 16-bit grads -> fp32 master grads; at the boundary, fp32 values
-            self.masters.after_backward(opts, boundary=self._micro >= self.accumulate)
+            # without a loss scaler nothing reads the gradients before the step but the clip: a
+            # bucketed step may then keep them 16-bit until each bucket's turn
+            self.masters.after_backward(opts, boundary=self._micro >= self.accumulate,
+                                        defer=not self.scaler.is_enabled())
         one, false = self._constants()
         if self._micro < self.accumulate:
             scale = self.scaler.scale_tensor
@@ -375,6 +378,8 @@ class MixedPrecision:
         ]
         if self.masters is not None:  # the 16-bit parameters' gradients now live on their masters
             params = self.masters.optimizer_view(params)
+            if self.masters.deferred:  # ... or still on the model, until their bucket steps
+                return self.masters.deferred_grad_norm_(params, max_grad_norm, norm_type)
         if max_grad_norm is not None:
             return nn.utils.clip_grad_norm_(params, max_grad_norm, norm_type=norm_type)
         grads = [p.grad for p in params if p.grad is not None]

@@ -155,6 +155,64 @@ def test_the_step_holds_one_bucket_of_rebuilt_values_not_the_model(monkeypatch):
         loss = model(torch.randn(4, 128)).float().pow(2).mean()
     mp.step(loss, opt)
     strategy = mp.masters
-    # one bucket's values and temporaries at a time; the whole step would hold 8 buckets' values
-    assert peak and peak[0] <= strategy.value_bytes + strategy.temp_bytes < 8 * strategy.value_bytes
+    # one bucket's fp32 gradients, values and temporaries at a time (bf16 has no loss scaler: the
+    # 16-bit gradients wait on the model); a whole step would hold 8 buckets' gradients and values
+    per_bucket = strategy.step_bytes + strategy.value_bytes
+    assert peak and per_bucket <= peak[0] <= per_bucket + strategy.temp_bytes < 8 * per_bucket
     assert all(p.grad is None for p in mp.parameters(model))
+    assert all(p.grad is None for p in model.parameters())
+
+
+def _never_defer(monkeypatch):
+    inner = MasterWeights.after_backward
+    monkeypatch.setattr(MasterWeights, "after_backward",
+                        lambda self, opts, boundary, defer=False: inner(self, opts, boundary, False))
+
+
+@pytest.mark.parametrize("recipe", COMPACT)
+@pytest.mark.parametrize("clip", [None, 0.05, 10.0])
+def test_deferred_16bit_gradients_step_bitwise_like_fp32_gradients(recipe, clip, monkeypatch):
+    # bf16 has no loss scaler: the gradients stay 16-bit until their bucket's turn; the clip's norm
+    # is measured from them in fp32. Against folding every gradient to fp32 after backward.
+    def run(defer):
+        monkeypatch.setattr("mixprec.masters.strategy.BUCKET_NUMEL", 300)
+        if not defer:
+            _never_defer(monkeypatch)
+        model, mp, opt = setup(recipe, optimizer=_two_groups(OPTIMIZERS["adamw-foreach"]), track_grad_norm=True)
+        seen = []
+        opt.register_step_pre_hook(lambda o, a, k: seen.append(mp.masters.deferred))
+        stats = train(model, mp, opt, range(4), max_grad_norm=clip)
+        monkeypatch.undo()
+        return snapshot(model, mp, opt), [s.grad_norm for s in stats], seen
+
+    folded, norms_f, seen_f = run(False)
+    deferred, norms_d, seen_d = run(True)
+    assert set(seen_f) == {False} and set(seen_d) == {True}
+    assert_bitwise_equal(folded, deferred)
+    assert_bitwise_equal(norms_f, norms_d)
+    if clip == 0.05:
+        assert all(float(n) > clip for n in norms_d)  # the clip did act
+
+
+def test_clipping_a_subset_of_parameters_with_deferred_gradients(monkeypatch):
+    def run(defer):
+        monkeypatch.setattr("mixprec.masters.strategy.BUCKET_NUMEL", 300)
+        if not defer:
+            _never_defer(monkeypatch)
+        model, mp, opt = setup("bf16-true-kahan")
+        head = [p for n, p in model.named_parameters() if n.startswith("blocks.0.mlp")]
+        stats = train(model, mp, opt, range(3), max_grad_norm=0.01, parameters=head)
+        monkeypatch.undo()
+        return snapshot(model, mp, opt), [s.grad_norm for s in stats]
+
+    assert_bitwise_equal(run(False), run(True))
+
+
+def test_no_deferral_with_a_loss_scaler_or_accumulation(monkeypatch):
+    monkeypatch.setattr("mixprec.masters.strategy.BUCKET_NUMEL", 300)
+    for kwargs in ({"skip_nonfinite": True}, {"accumulate": 2}):
+        model, mp, opt = setup("bf16-true-sr", **kwargs)
+        seen = []
+        opt.register_step_pre_hook(lambda o, a, k: seen.append((mp.masters.in_buckets, mp.masters.deferred)))
+        train(model, mp, opt, range(2))
+        assert seen and set(seen) == {(True, False)}, kwargs

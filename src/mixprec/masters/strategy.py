@@ -149,7 +149,7 @@ class _StepInBuckets:
                 parts[where.get(id(p), -1)][gi].append(p)
         out = None
         for b, groups in zip(owner.buckets, parts):
-            if any(p.grad is not None for part in groups for p in part):
+            if any(owner.pending_grad(p) is not None for part in groups for p in part):
                 out = owner._step_bucket(b, opt, groups, self.inner, args, kwargs)
         rest = parts[-1]  # parameters the strategy does not store (fp32-kept, other models')
         if any(rest):
@@ -202,6 +202,7 @@ class MasterWeights:
         self.fp32_names: list[str] = []
         self._model: nn.Module | None = None
         self._by_param: dict[int, _Slot] = {}
+        self._by_proxy: dict[int, _Slot] = {}
         self.stepping = False
         self._placeholders: dict[torch.device, torch.Tensor] = {}
         self.buckets: list[_Bucket] = []
@@ -210,6 +211,10 @@ class MasterWeights:
         self.frozen: list[tuple[str, nn.Parameter]] = []
         #: the current step runs a bucket at a time (decided at the boundary, see ``bucketed_step``)
         self.in_buckets = False
+        #: ... and its 16-bit gradients stay on the model until their bucket steps (no fp32 copy
+        #: of them all): decided at the boundary, see ``after_backward``
+        self.deferred = False
+        self._grad_coef: torch.Tensor | None = None  # the clip coefficient for deferred gradients
 
     # ------------------------------------------------------------------ attach
 
@@ -243,6 +248,7 @@ class MasterWeights:
                 proxy._mixprec_role = ("proxy", self, name)  # type: ignore[attr-defined]
                 self.slots.append(slot)
                 self._by_param[id(p)] = slot
+                self._by_proxy[id(proxy)] = slot
             self.buckets = _buckets(self.slots, self.bucket_numel)
             start = 0  # buckets hold consecutive slots
             for b in self.buckets:
@@ -293,41 +299,109 @@ class MasterWeights:
             if p.grad is not None:
                 raise RuntimeError(unfrozen_after_prepare(name, self.storage_dtype))
 
-    def after_backward(self, optimizers: Sequence[torch.optim.Optimizer], boundary: bool) -> None:
-        """Fold 16-bit gradients into fp32 proxy gradients; at a boundary, materialise the proxies."""
+    def after_backward(self, optimizers: Sequence[torch.optim.Optimizer], boundary: bool,
+                       defer: bool = False) -> None:
+        """Fold 16-bit gradients into fp32 proxy gradients; at a boundary, materialise the proxies.
+
+        With ``defer`` (the caller runs no loss scaler: nothing reads the gradients before the
+        step but the clip, which ``deferred_grad_norm_`` does from the 16-bit ones), a boundary
+        that starts a bucketed step with no fp32 gradient accumulated yet folds nothing: each
+        bucket's gradients become fp32 in its own step, so the step never holds fp32 gradients
+        for the whole model.
+        """
         self.check_frozen()
         if boundary:
             self.check_optimizers(optimizers)
+            self.in_buckets = self.can_step_in_buckets(optimizers)
+            self.deferred = defer and self.in_buckets and all(
+                s.proxy.grad is None and (s.param.grad is None or s.param.grad.layout == torch.strided)
+                for s in self.slots
+            )
+            self._grad_coef = None
+            if self.deferred:
+                self.stepping = True
+                return
         with torch.no_grad():
             for b in self.buckets:
-                fresh, dense_fresh, accum = [], [], []
-                for s in b.slots:
-                    g = s.param.grad
-                    if g is None:
-                        continue
-                    if s.proxy.grad is not None:
-                        accum.append(s)  # accumulation across micro-steps happens in fp32
-                    elif g.is_sparse or g.layout != torch.strided:
-                        fresh.append(s)
-                    else:
-                        dense_fresh.append(s)
-                if dense_fresh:
-                    # one flat fp32 gradient per bucket; each proxy's .grad is a view of it
-                    flat = _flat([s.param.grad for s in dense_fresh]).to(torch.float32)
-                    for s, g32 in zip(dense_fresh, _views(flat, [s.param for s in dense_fresh])):
-                        s.proxy.grad = g32
-                for s in fresh:
-                    s.proxy.grad = s.param.grad.to(torch.float32)
-                if accum:
-                    torch._foreach_add_([s.proxy.grad for s in accum], [s.param.grad for s in accum])
-                for s in (*dense_fresh, *fresh, *accum):
-                    s.param.grad = None
+                self._fold_grads(b.slots)
             if boundary:
-                self.in_buckets = self.can_step_in_buckets(optimizers)
                 if not self.in_buckets:
                     for b in self.buckets:
                         self._materialize_bucket(b)
                 self.stepping = True
+
+    def _fold_grads(self, slots: Sequence[_Slot], coef: torch.Tensor | None = None) -> None:
+        """Move the 16-bit gradients of ``slots`` (one bucket's) into fp32 proxy gradients, times
+        ``coef`` (a clip coefficient) if given; accumulation across micro-steps adds in fp32."""
+        fresh, dense_fresh, accum = [], [], []
+        for s in slots:
+            g = s.param.grad
+            if g is None:
+                continue
+            if s.proxy.grad is not None:
+                accum.append(s)  # accumulation across micro-steps happens in fp32
+            elif g.is_sparse or g.layout != torch.strided:
+                fresh.append(s)
+            else:
+                dense_fresh.append(s)
+        if dense_fresh:
+            # one flat fp32 gradient per bucket; each proxy's .grad is a view of it
+            flat = _flat([s.param.grad for s in dense_fresh]).to(torch.float32)
+            if coef is not None:
+                flat.mul_(coef)
+            for s, g32 in zip(dense_fresh, _views(flat, [s.param for s in dense_fresh])):
+                s.proxy.grad = g32
+        for s in fresh:
+            s.proxy.grad = s.param.grad.to(torch.float32)
+        if accum:
+            torch._foreach_add_([s.proxy.grad for s in accum], [s.param.grad for s in accum])
+        for s in (*dense_fresh, *fresh, *accum):
+            s.param.grad = None
+
+    def pending_grad(self, p: torch.Tensor) -> torch.Tensor | None:
+        """The gradient an optimizer parameter will step with: a proxy's deferred 16-bit one, or its own."""
+        slot = self._by_proxy.get(id(p)) if self.deferred and p.grad is None else None
+        return slot.param.grad if slot is not None else p.grad
+
+    def deferred_grad_norm_(self, params: Sequence[torch.Tensor], max_norm: float | None,
+                            norm_type: float = 2.0) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` (``get_total_norm`` when ``max_norm`` is None) over
+        ``params`` (proxies and other parameters) while their 16-bit gradients are deferred: the
+        same total norm, bitwise, as over fp32 gradients (each 16-bit gradient is measured in fp32,
+        a bucket's worth of copies at a time); fp32 gradients are scaled now, deferred ones when
+        their bucket is folded (the same multiplication)."""
+        items = [(g, p.grad is None) for p in params if (g := self.pending_grad(p)) is not None]
+        if not items:
+            return torch.tensor(0.0)
+        norm_type = float(norm_type)
+        first = items[0][0].device
+        by_device: dict[torch.device, list[tuple[torch.Tensor, bool]]] = {}
+        for g, is16 in items:
+            by_device.setdefault(g.device, []).append((g, is16))
+        norms: list[torch.Tensor] = []
+        with torch.no_grad():
+            for group in by_device.values():
+                chunk: list[torch.Tensor] = []
+                numel = 0
+                for g, is16 in group:
+                    chunk.append(g.to(torch.float32) if is16 else g)
+                    numel += g.numel() if is16 else 0
+                    if numel >= self.bucket_numel:
+                        norms.extend(torch._foreach_norm(chunk, norm_type))
+                        chunk, numel = [], 0
+                if chunk:
+                    norms.extend(torch._foreach_norm(chunk, norm_type))
+            total = torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]), norm_type)
+            if max_norm is not None:
+                coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+                now: dict[torch.device, list[torch.Tensor]] = {}
+                for g, is16 in items:
+                    if not is16:
+                        now.setdefault(g.device, []).append(g)
+                for dev, grads in now.items():
+                    torch._foreach_mul_(grads, coef.to(dev))
+                self._grad_coef = coef
+        return total
 
     def can_step_in_buckets(self, optimizers: Sequence[torch.optim.Optimizer]) -> bool:
         """Whether the coming step can run a bucket at a time (see the module docstring)."""
@@ -350,6 +424,8 @@ class MasterWeights:
         """Rebuild, step (the optimizer sees only ``groups``: this bucket's part of each param
         group), write back and free one bucket."""
         with torch.no_grad():
+            if self.deferred:  # this bucket's gradients become fp32 now (clipped, if asked)
+                self._fold_grads(b.slots, None if self._grad_coef is None else self._grad_coef.to(b.device))
             self._materialize_bucket(b)
         with _showing_only(opt, groups):
             out = step(*args, **kwargs)
@@ -373,8 +449,11 @@ class MasterWeights:
                     self._write_back_bucket(b)
                 for s in b.slots:
                     s.proxy.grad = None
+                    if self.deferred:  # never folded: not stepped (skipped, or not the optimizer's)
+                        s.param.grad = None
                 self._release_bucket(b)
-        self.stepping = self.in_buckets = False
+        self.stepping = self.in_buckets = self.deferred = False
+        self._grad_coef = None
 
     def _stepped_values(self, b: _Bucket) -> torch.Tensor:
         """The bucket's fp32 values after the optimizer step, flat."""
