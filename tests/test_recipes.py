@@ -81,6 +81,13 @@ def test_recipe_on_missing_cuda_says_what_to_do():
         resolve_recipe("bf16-mixed", "cuda")
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize("device", ["cuda", "cuda:1"], ids=["no-index", "index-1"])  # an id "cuda" would skip it (conftest)
+def test_auto_on_missing_cuda_says_what_to_do(device):
+    with pytest.raises(RuntimeError, match="'auto' was asked for device 'cuda.*CUDA is not available.*Use device='cpu'"):
+        resolve_recipe("auto", device)
+
+
 def test_register_recipe_adds_names_and_refuses_duplicates():
     r = Recipe("test-recipe-x", mixprec.get_policy("p=f32,c=bf16,o=f32"), autocast=True)
     try:

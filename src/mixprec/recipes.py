@@ -331,6 +331,11 @@ def cpu_bf16_support() -> tuple[bool, str]:
 
 def _auto(device: torch.device) -> Recipe:
     if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                f"'auto' was asked for device {str(device)!r}, but CUDA is not available in this torch build "
+                "or machine. Use device='cpu'."
+            )
         index = device.index if device.index is not None else torch.cuda.current_device()
         name = torch.cuda.get_device_name(index)
         major, minor = torch.cuda.get_device_capability(index)
