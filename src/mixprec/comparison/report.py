@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,13 @@ def check_out_dir(out: str | Path) -> Path:
     path = Path(out)
     if path.exists() and not path.is_dir():
         raise FileExistsError(f"--out {str(path)!r} is a file; give a directory (it is created if missing)")
+    base = path
+    while not base.exists():  # the nearest existing directory: where the report's directory gets created
+        base = base.parent
+    if not base.is_dir():
+        raise FileExistsError(f"--out {str(path)!r} cannot be created: {str(base)!r} is a file; give a directory")
+    if not os.access(base, os.W_OK):
+        raise PermissionError(f"--out {str(path)!r} cannot be written: no write permission in {str(base)!r}")
     clashes = [name for name in FILES.values() if (path / name).exists()]
     if clashes and not _written_by_compare(path / FILES["json"]):
         raise FileExistsError(
