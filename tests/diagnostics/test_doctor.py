@@ -96,6 +96,28 @@ def test_cli_doctor_exits_2_with_a_message_for_a_bad_task_or_recipe(capsys):
     assert "Unknown recipe 'fp17'" in capsys.readouterr().err
 
 
+def test_cli_doctor_exits_2_before_running_for_an_out_it_cannot_use(tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("mine")
+    for out in (tmp_path / "notes.txt", tmp_path / "notes.txt" / "r"):  # a file; a directory under a file
+        assert main(["doctor", "--task", f"{ZOO}:make_healthy_mlp", "--out", str(out)]) == 2
+        err = " ".join(capsys.readouterr().err.split())
+        assert "is a file" in err and "running" not in err and "Traceback" not in err  # no step ran
+    (tmp_path / "doctor.html").write_text("my own page")
+    assert main(["doctor", "--task", f"{ZOO}:make_healthy_mlp", "--out", str(tmp_path)]) == 2
+    assert "not written by 'mixprec doctor'" in " ".join(capsys.readouterr().err.split())
+    assert (tmp_path / "doctor.html").read_text() == "my own page"
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def test_doctor_rewrites_its_own_report_but_not_foreign_files(reports, tmp_path):
+    report = reports["make_deep_narrow"]
+    assert report.write(tmp_path / "r") == report.write(tmp_path / "r")  # its own files: replaced
+    (tmp_path / "grad_histogram.png").write_bytes(b"my figure")
+    with pytest.raises(FileExistsError, match="grad_histogram.png, not written by 'mixprec doctor'"):
+        report.write(tmp_path)
+    assert (tmp_path / "grad_histogram.png").read_bytes() == b"my figure"
+
+
 def test_doctor_is_exported_and_the_cli_module_loads_without_torch():
     import subprocess
     import sys

@@ -11,11 +11,12 @@ from __future__ import annotations
 import csv
 import dataclasses
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from mixprec.report.outdir import check_writable_dir
 
 FILES = {"html": "compare.html", "png": "compare.png", "json": "compare.json", "csv": "compare.csv"}
 DEFAULT_OUT = "mixprec-report/compare"
@@ -23,16 +24,7 @@ DEFAULT_OUT = "mixprec-report/compare"
 
 def check_out_dir(out: str | Path) -> Path:
     """Refuse to overwrite files that an earlier ``mixprec compare`` did not write. Call before training."""
-    path = Path(out)
-    if path.exists() and not path.is_dir():
-        raise FileExistsError(f"--out {str(path)!r} is a file; give a directory (it is created if missing)")
-    base = path
-    while not base.exists():  # the nearest existing directory: where the report's directory gets created
-        base = base.parent
-    if not base.is_dir():
-        raise FileExistsError(f"--out {str(path)!r} cannot be created: {str(base)!r} is a file; give a directory")
-    if not os.access(base, os.W_OK):
-        raise PermissionError(f"--out {str(path)!r} cannot be written: no write permission in {str(base)!r}")
+    path = check_writable_dir(out)
     clashes = [name for name in FILES.values() if (path / name).exists()]
     if clashes and not _written_by_compare(path / FILES["json"]):
         raise FileExistsError(

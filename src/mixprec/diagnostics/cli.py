@@ -44,14 +44,17 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from mixprec.diagnostics.doctor import doctor
+    from mixprec.diagnostics.doctor_report import check_out_dir
     from mixprec.report.terminal import make_console
     from mixprec.tasks import TaskError
 
     err = Console(stderr=True)
     progress = None if args.json else (lambda msg: err.print(f"[dim]... {msg}[/dim]"))
     try:
+        if args.out:
+            check_out_dir(args.out)  # before the runs: a bad --out should not cost them
         report = doctor(args.task, args.recipe, args.device, steps=args.steps, seed=args.seed, progress=progress)
-    except (TaskError, ValueError, RuntimeError) as e:
+    except (TaskError, ValueError, RuntimeError, FileExistsError, PermissionError) as e:
         err.print(f"[bold red]error:[/] {e}")
         return 2
     written = report.write(args.out) if args.out else {}
