@@ -41,6 +41,16 @@ def test_unknown_recipe_lists_what_is_accepted():
         resolve_recipe("p=f32,c=bf61", "cpu")
 
 
+def test_get_recipe_says_what_it_takes():
+    with pytest.raises(TypeError, match="expected a recipe name, got int"):
+        get_recipe(16)
+    for name in ("auto", "p=f32,c=bf16,o=f32"):  # the unknown-recipe message would list them as accepted
+        with pytest.raises(ValueError, match=r"registered recipes only; resolve_recipe\("):
+            get_recipe(name)
+    with pytest.raises(ValueError, match="Unknown recipe 'bf16-mixd'"):
+        get_recipe("bf16-mixd")
+
+
 def test_unknown_device_is_a_clear_error():
     with pytest.raises(ValueError, match="Unknown device 'gpu0'"):
         resolve_recipe("fp32", "gpu0")
