@@ -118,6 +118,19 @@ def test_doctor_rewrites_its_own_report_but_not_foreign_files(reports, tmp_path)
     assert (tmp_path / "grad_histogram.png").read_bytes() == b"my figure"
 
 
+def test_cli_doctor_exits_2_with_one_line_when_the_task_code_raises(tmp_path, monkeypatch, capsys):
+    (tmp_path / "doctor_raising_task.py").write_text("def make():\n    raise KeyError('config missing')\n")
+    (tmp_path / "doctor_broken_module.py").write_text("def make(:\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["doctor", "--task", "doctor_raising_task:make", "--out", ""]) == 2  # was a traceback, exit 1
+    err = " ".join(capsys.readouterr().err.split())
+    assert err.startswith("error: KeyError: 'config missing' (raised at")
+    assert "doctor_raising_task.py:2inmake)" in "".join(err.split())  # rich may break a long path anywhere
+    assert main(["doctor", "--task", "doctor_broken_module:make", "--out", ""]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: SyntaxError") and "Traceback" not in err
+
+
 def test_doctor_is_exported_and_the_cli_module_loads_without_torch():
     import subprocess
     import sys

@@ -40,6 +40,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import json
+    import traceback
 
     from rich.console import Console
 
@@ -56,6 +57,11 @@ def run(args: argparse.Namespace) -> int:
         report = doctor(args.task, args.recipe, args.device, steps=args.steps, seed=args.seed, progress=progress)
     except (TaskError, ValueError, RuntimeError, FileExistsError, PermissionError) as e:
         err.print(f"[bold red]error:[/] {e}")
+        return 2
+    except Exception as e:  # the task's own code raised (importing its module, its factory): not a finding
+        frame = traceback.extract_tb(e.__traceback__)[-1]
+        where = "" if isinstance(e, SyntaxError) else f" (raised at {frame.filename}:{frame.lineno} in {frame.name})"
+        err.print(f"error: {type(e).__name__}: {e}{where}", markup=False, highlight=False)
         return 2
     written = report.write(args.out) if args.out else {}
     if args.json:
