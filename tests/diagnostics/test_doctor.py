@@ -94,6 +94,8 @@ def test_cli_doctor_exits_2_with_a_message_for_a_bad_task_or_recipe(capsys):
     assert "cannot import module 'no_such_module_xyz'" in capsys.readouterr().err
     assert main(["doctor", "--task", f"{ZOO}:make_healthy_mlp", "--recipe", "fp17", "--out", ""]) == 2
     assert "Unknown recipe 'fp17'" in capsys.readouterr().err
+    assert main(["doctor", "--recipe", "p=[red]", "--out", ""]) == 2
+    assert "Unknown dtype '[red]' in policy 'p=[red]'" in " ".join(capsys.readouterr().err.split())  # not markup
 
 
 def test_cli_doctor_exits_2_before_running_for_an_out_it_cannot_use(tmp_path, capsys):

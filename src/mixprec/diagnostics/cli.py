@@ -43,6 +43,7 @@ def run(args: argparse.Namespace) -> int:
     import traceback
 
     from rich.console import Console
+    from rich.markup import escape
 
     from mixprec.diagnostics.doctor import doctor
     from mixprec.diagnostics.doctor_report import check_out_dir
@@ -56,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
             check_out_dir(args.out)  # before the runs: a bad --out should not cost them
         report = doctor(args.task, args.recipe, args.device, steps=args.steps, seed=args.seed, progress=progress)
     except (TaskError, ValueError, RuntimeError, FileExistsError, PermissionError) as e:
-        err.print(f"[bold red]error:[/] {e}")
+        err.print(f"[bold red]error:[/] {escape(str(e))}")  # a path or recipe may hold '[...]': not markup
         return 2
     except Exception as e:  # the task's own code raised (importing its module, its factory): not a finding
         frame = traceback.extract_tb(e.__traceback__)[-1]
