@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from mixprec_test_env import src_env
 from mixprec.cli import main
@@ -45,7 +46,15 @@ def test_recipes_table_prints(capsys):
 
 def test_recipes_bad_device_exits_2(capsys):
     assert main(["recipes", "--device", "warp-drive"]) == 2
-    assert "Unknown device" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "Unknown device" in captured.err and not captured.out  # stdout stays clean for --json pipes
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_recipes_on_missing_cuda_exits_2_with_one_line(capsys):
+    assert main(["recipes", "--device", "cuda"]) == 2  # the example in 'mixprec recipes --help'
+    err = capsys.readouterr().err
+    assert err.startswith("error: 'auto' was asked for device 'cuda'") and "Traceback" not in err
 
 
 def test_console_script_runs():

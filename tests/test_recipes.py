@@ -41,6 +41,16 @@ def test_unknown_recipe_lists_what_is_accepted():
         resolve_recipe("p=f32,c=bf61", "cpu")
 
 
+def test_get_recipe_says_what_it_takes():
+    with pytest.raises(TypeError, match="expected a recipe name, got int"):
+        get_recipe(16)
+    for name in ("auto", "p=f32,c=bf16,o=f32"):  # the unknown-recipe message would list them as accepted
+        with pytest.raises(ValueError, match=r"registered recipes only; resolve_recipe\("):
+            get_recipe(name)
+    with pytest.raises(ValueError, match="Unknown recipe 'bf16-mixd'"):
+        get_recipe("bf16-mixd")
+
+
 def test_unknown_device_is_a_clear_error():
     with pytest.raises(ValueError, match="Unknown device 'gpu0'"):
         resolve_recipe("fp32", "gpu0")
@@ -79,6 +89,13 @@ def test_auto_on_cuda_picks_by_native_bf16(monkeypatch, bf16, expected):
 def test_recipe_on_missing_cuda_says_what_to_do():
     with pytest.raises(RuntimeError, match="CUDA is not available.*Use device='cpu'"):
         resolve_recipe("bf16-mixed", "cuda")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize("device", ["cuda", "cuda:1"], ids=["no-index", "index-1"])  # an id "cuda" would skip it (conftest)
+def test_auto_on_missing_cuda_says_what_to_do(device):
+    with pytest.raises(RuntimeError, match="'auto' was asked for device 'cuda.*CUDA is not available.*Use device='cpu'"):
+        resolve_recipe("auto", device)
 
 
 def test_register_recipe_adds_names_and_refuses_duplicates():

@@ -249,9 +249,16 @@ def recipe_names() -> list[str]:
 
 def get_recipe(name: str) -> Recipe:
     """A registered recipe by name or alias (``auto`` needs a device: use ``resolve_recipe``)."""
+    if not isinstance(name, str):
+        raise TypeError(f"expected a recipe name, got {type(name).__name__}")
     key = name.strip().lower()
     if key in _ALIASES:
         return _REGISTRY[_ALIASES[key]]
+    if key == "auto" or "=" in key:
+        raise ValueError(
+            f"get_recipe({name!r}) looks up registered recipes only; resolve_recipe({name!r}, device) "
+            "also resolves 'auto' and jmp policy strings"
+        )
     raise ValueError(_unknown_message(name))
 
 
@@ -331,6 +338,11 @@ def cpu_bf16_support() -> tuple[bool, str]:
 
 def _auto(device: torch.device) -> Recipe:
     if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                f"'auto' was asked for device {str(device)!r}, but CUDA is not available in this torch build "
+                "or machine. Use device='cpu'."
+            )
         index = device.index if device.index is not None else torch.cuda.current_device()
         name = torch.cuda.get_device_name(index)
         major, minor = torch.cuda.get_device_capability(index)

@@ -23,13 +23,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import json
+    import sys
 
     from mixprec.recipes import list_recipes, recipe_aliases, resolve_recipe
 
     try:
         auto = resolve_recipe("auto", args.device)
     except (ValueError, RuntimeError) as e:
-        print(f"error: {e}")
+        print(f"error: {e}", file=sys.stderr)
         return 2
     rows = []
     for r in list_recipes():

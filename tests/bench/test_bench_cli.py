@@ -48,6 +48,16 @@ def test_bad_arguments_exit_2_with_a_message(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_a_json_path_that_cannot_be_written_exits_2_before_the_run(tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("mine")
+    for path, message in ((tmp_path / "notes.txt" / "out.json", "is not a writable directory"),
+                          (tmp_path / "missing" / "out.json", "is not a writable directory"),
+                          (tmp_path, "is a directory")):
+        assert main(["bench", "--shape", "tiny", "--recipes", "fp32", "--json", str(path)]) == 2
+        assert message in capsys.readouterr().err  # was a traceback after the whole benchmark
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
 def test_bad_choice_is_refused_by_argparse():
     with pytest.raises(SystemExit) as e:
         main(["bench", "--tf32", "maybe"])

@@ -64,6 +64,13 @@ def test_unusable_input_exits_2_with_a_clear_message(argv, message, capsys, tmp_
     assert not (tmp_path / "r").exists()  # failed before writing anything
 
 
+def test_an_out_dir_under_a_file_exits_2_before_any_run(capsys, tmp_path):
+    (tmp_path / "f").write_text("mine")
+    code, _, err = _run(["--task", OVERFLOW, "--out", str(tmp_path / "f" / "r")], capsys)
+    assert code == 2 and "cannot be created" in " ".join(err.split())
+    assert "fp32" not in err  # no run started: the progress lines name each run
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
 def test_device_that_cannot_run_exits_2(capsys, tmp_path):
     code, _, err = _run(["--task", OVERFLOW, "--device", "cuda", "--out", str(tmp_path)], capsys)

@@ -107,3 +107,14 @@ def test_rewrites_its_own_report_and_refuses_a_file_as_directory(tmp_path, healt
     assert json.loads((out / "compare.json").read_text())["files"] == files
     with pytest.raises(FileExistsError, match="is a file"):
         check_out_dir(out / "compare.json")
+
+
+def test_an_out_dir_that_cannot_be_created_or_written_is_refused_before_training(tmp_path, monkeypatch):
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="cannot be created: .*notes.txt' is a file"):
+        check_out_dir(tmp_path / "notes.txt" / "report")  # mkdir would fail only after every run
+    check_out_dir(tmp_path / "new" / "report")  # missing directories are fine: they are created
+    monkeypatch.setattr("os.access", lambda path, mode: False)  # a read-only place (tests may run as root)
+    with pytest.raises(PermissionError, match="no write permission in"):
+        check_out_dir(tmp_path / "new" / "report")
+    assert (tmp_path / "notes.txt").read_text() == "mine" and not (tmp_path / "new").exists()

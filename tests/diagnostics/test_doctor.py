@@ -94,6 +94,43 @@ def test_cli_doctor_exits_2_with_a_message_for_a_bad_task_or_recipe(capsys):
     assert "cannot import module 'no_such_module_xyz'" in capsys.readouterr().err
     assert main(["doctor", "--task", f"{ZOO}:make_healthy_mlp", "--recipe", "fp17", "--out", ""]) == 2
     assert "Unknown recipe 'fp17'" in capsys.readouterr().err
+    assert main(["doctor", "--recipe", "p=[red]", "--out", ""]) == 2
+    assert "Unknown dtype '[red]' in policy 'p=[red]'" in " ".join(capsys.readouterr().err.split())  # not markup
+
+
+def test_cli_doctor_exits_2_before_running_for_an_out_it_cannot_use(tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("mine")
+    for out in (tmp_path / "notes.txt", tmp_path / "notes.txt" / "r"):  # a file; a directory under a file
+        assert main(["doctor", "--task", f"{ZOO}:make_healthy_mlp", "--out", str(out)]) == 2
+        err = " ".join(capsys.readouterr().err.split())
+        assert "is a file" in err and "running" not in err and "Traceback" not in err  # no step ran
+    (tmp_path / "doctor.html").write_text("my own page")
+    assert main(["doctor", "--task", f"{ZOO}:make_healthy_mlp", "--out", str(tmp_path)]) == 2
+    assert "not written by 'mixprec doctor'" in " ".join(capsys.readouterr().err.split())
+    assert (tmp_path / "doctor.html").read_text() == "my own page"
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def test_doctor_rewrites_its_own_report_but_not_foreign_files(reports, tmp_path):
+    report = reports["make_deep_narrow"]
+    assert report.write(tmp_path / "r") == report.write(tmp_path / "r")  # its own files: replaced
+    (tmp_path / "grad_histogram.png").write_bytes(b"my figure")
+    with pytest.raises(FileExistsError, match="grad_histogram.png, not written by 'mixprec doctor'"):
+        report.write(tmp_path)
+    assert (tmp_path / "grad_histogram.png").read_bytes() == b"my figure"
+
+
+def test_cli_doctor_exits_2_with_one_line_when_the_task_code_raises(tmp_path, monkeypatch, capsys):
+    (tmp_path / "doctor_raising_task.py").write_text("def make():\n    raise KeyError('config missing')\n")
+    (tmp_path / "doctor_broken_module.py").write_text("def make(:\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["doctor", "--task", "doctor_raising_task:make", "--out", ""]) == 2  # was a traceback, exit 1
+    err = " ".join(capsys.readouterr().err.split())
+    assert err.startswith("error: KeyError: 'config missing' (raised at")
+    assert "doctor_raising_task.py:2inmake)" in "".join(err.split())  # rich may break a long path anywhere
+    assert main(["doctor", "--task", "doctor_broken_module:make", "--out", ""]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: SyntaxError") and "Traceback" not in err
 
 
 def test_doctor_is_exported_and_the_cli_module_loads_without_torch():

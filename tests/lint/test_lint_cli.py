@@ -90,6 +90,15 @@ def test_unknown_rule_code_is_a_usage_error(project, capsys):
     assert "Unknown rule code 'MP999'" in capsys.readouterr().err
 
 
+def test_unknown_code_in_select_names_the_option_not_the_config_file(project, capsys):
+    path = write(project, "train.py", CLEAN)
+    assert main(["lint", "--select", "MP999", str(path)]) == 2
+    assert "Unknown rule code 'MP999' in --select;" in capsys.readouterr().err
+    (project / "pyproject.toml").write_text('[tool.mixprec.lint]\nselect = ["MP9"]\n')
+    assert main(["lint", str(path)]) == 2
+    assert f"Unknown rule code 'MP9' in {project / 'pyproject.toml'};" in capsys.readouterr().err
+
+
 def test_missing_path_is_a_usage_error(project, capsys):
     assert main(["lint", "nope.py"]) == 2
     assert "no such file or directory: nope.py" in capsys.readouterr().err

@@ -30,3 +30,11 @@ def test_pre_commit_hooks_run_mixprec_lint_on_python_files():
     assert hooks["mixprec-lint-isolated"]["language"] == "python"
     for hook in hooks.values():
         assert hook["entry"].startswith("mixprec lint") and hook["types"] == "[python]"
+
+
+def test_lint_paths_takes_a_single_path_as_one_path(tmp_path):
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "train.py").write_text("import torch\nscaler = torch.cuda.amp.GradScaler()\n")
+    for one in (str(tmp_path / "src"), tmp_path / "src"):
+        result = lint_paths(one)  # was read as the paths '/', 't', 'm', 'p'...
+        assert result.files == 1 and [f.code for f in result.findings] == ["MP201"]

@@ -66,6 +66,16 @@ def _check(args: argparse.Namespace) -> str | None:
         return "--plain only applies with --overhead"
     if args.optimizer and len(args.optimizer) > 1 and not args.overhead:
         return "several --optimizer values only apply with --overhead"
+    if args.json is not None:  # checked now: the file is written only after the whole run
+        import os
+        from pathlib import Path
+
+        target = Path(args.json)
+        folder = target.parent
+        if target.is_dir():
+            return f"--json {args.json!r} is a directory; give a file path"
+        if not folder.is_dir() or not os.access(folder, os.W_OK):
+            return f"--json {args.json!r} cannot be written: {str(folder)!r} is not a writable directory"
     return None
 
 

@@ -143,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
             )
     except RunError as e:
         return error(f"{e}\n(an fp32 run failed, so nothing can be judged: debug the task in plain fp32 first)")
-    except (TaskError, ValueError, FileExistsError, RuntimeError) as e:  # RuntimeError: a recipe this device cannot run
+    except (TaskError, ValueError, FileExistsError, PermissionError, RuntimeError) as e:  # RuntimeError: a recipe this device cannot run
         return error(str(e))
     except Exception as e:  # e.g. an exception raised while importing the task's module
         if args.traceback:

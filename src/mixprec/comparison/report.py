@@ -16,15 +16,15 @@ from typing import Any
 
 import numpy as np
 
+from mixprec.report.outdir import check_writable_dir
+
 FILES = {"html": "compare.html", "png": "compare.png", "json": "compare.json", "csv": "compare.csv"}
 DEFAULT_OUT = "mixprec-report/compare"
 
 
 def check_out_dir(out: str | Path) -> Path:
     """Refuse to overwrite files that an earlier ``mixprec compare`` did not write. Call before training."""
-    path = Path(out)
-    if path.exists() and not path.is_dir():
-        raise FileExistsError(f"--out {str(path)!r} is a file; give a directory (it is created if missing)")
+    path = check_writable_dir(out)
     clashes = [name for name in FILES.values() if (path / name).exists()]
     if clashes and not _written_by_compare(path / FILES["json"]):
         raise FileExistsError(

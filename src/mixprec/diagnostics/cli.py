@@ -40,19 +40,29 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import json
+    import traceback
 
     from rich.console import Console
+    from rich.markup import escape
 
     from mixprec.diagnostics.doctor import doctor
+    from mixprec.diagnostics.doctor_report import check_out_dir
     from mixprec.report.terminal import make_console
     from mixprec.tasks import TaskError
 
     err = Console(stderr=True)
     progress = None if args.json else (lambda msg: err.print(f"[dim]... {msg}[/dim]"))
     try:
+        if args.out:
+            check_out_dir(args.out)  # before the runs: a bad --out should not cost them
         report = doctor(args.task, args.recipe, args.device, steps=args.steps, seed=args.seed, progress=progress)
-    except (TaskError, ValueError, RuntimeError) as e:
-        err.print(f"[bold red]error:[/] {e}")
+    except (TaskError, ValueError, RuntimeError, FileExistsError, PermissionError) as e:
+        err.print(f"[bold red]error:[/] {escape(str(e))}")  # a path or recipe may hold '[...]': not markup
+        return 2
+    except Exception as e:  # the task's own code raised (importing its module, its factory): not a finding
+        frame = traceback.extract_tb(e.__traceback__)[-1]
+        where = "" if isinstance(e, SyntaxError) else f" (raised at {frame.filename}:{frame.lineno} in {frame.name})"
+        err.print(f"error: {type(e).__name__}: {e}{where}", markup=False, highlight=False)
         return 2
     written = report.write(args.out) if args.out else {}
     if args.json:

@@ -118,10 +118,37 @@ def figures(report: "DoctorReport") -> dict[str, tuple[bytes, str]]:
     return out
 
 
+FILES = ("doctor.html", "doctor.json", "grad_histogram.png", "grad_underflow.png", "activation_range.png",
+         "update_vanishing.png", "loss_scale.png")
+
+
+def check_out_dir(out_dir: str | Path) -> Path:
+    """Refuse a directory that cannot be written, or whose files of our names an earlier doctor did not write."""
+    from mixprec.report.outdir import check_writable_dir
+
+    path = check_writable_dir(out_dir)
+    clashes = [name for name in FILES if (path / name).exists()]
+    if clashes and not _written_by_doctor(path / "doctor.json"):
+        raise FileExistsError(
+            f"{str(path)!r} already holds {', '.join(clashes)}, not written by 'mixprec doctor' (no doctor.json "
+            "of ours beside them); choose another --out or move those files"
+        )
+    return path
+
+
+def _written_by_doctor(path: Path) -> bool:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and {"findings", "probes", "runs"} <= data.keys()
+
+
 def write_report(report: "DoctorReport", out_dir: Path) -> dict[str, Path]:
     """``doctor.html``, ``doctor.json`` and the PNGs in ``out_dir``; returns name -> path."""
     from mixprec.report import HtmlReport
 
+    check_out_dir(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     written: dict[str, Path] = {}
     figs = figures(report)

@@ -65,7 +65,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.config)
         origin = str(config.path) if config.path else "options"
-        codes = enabled_codes(args.select if args.select is not None else config.select, config.ignore, origin)
+        if args.select is not None:  # a typo here is the command line's, not the config file's
+            codes = expand_codes(args.select, "--select") - expand_codes(config.ignore, origin)
+        else:
+            codes = enabled_codes(config.select, config.ignore, origin)
         codes -= expand_codes(args.ignore, "--ignore")
         result = lint_paths(args.paths, codes, fix=args.fix, exclude=config.exclude)
     except (ConfigError, UnknownCodeError) as error:

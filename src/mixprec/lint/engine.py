@@ -159,6 +159,8 @@ def lint_paths(
 
     Raises FileNotFoundError for a path that does not exist.
     """
+    if isinstance(paths, (str, Path)):  # one path, not a string to iterate character by character
+        paths = [paths]
     codes = set(RULES) if codes is None else codes
     missing = [str(p) for p in paths if not Path(p).exists()]
     if missing:
