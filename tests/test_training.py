@@ -377,6 +377,36 @@ def test_bad_inputs_give_errors_that_say_what_to_do():
         mixprec.MixedPrecision("fp16-mixed", device="cpu", scaler=torch.amp.GradScaler("cpu"))
 
 
+@pytest.mark.parametrize("bad", [-1.0, 0.0, float("nan")])
+def test_a_clip_norm_that_is_not_positive_is_refused_before_backward(bad):
+    # -1 would reverse the update (clip_grad_norm_ scales by max_norm / norm), 0 would zero it
+    mp = mixprec.MixedPrecision("fp32", device="cpu")
+    model = mp.prepare(_mlp())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = _batches(1)[0]
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match="max_grad_norm must be > 0"):
+        mp.step(F.cross_entropy(model(x), y), opt, max_grad_norm=bad)
+    assert all(torch.equal(p, q) and p.grad is None for p, q in zip(model.parameters(), before))
+
+
+def test_one_rule_alone_is_a_rule_not_letters():
+    net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    mp = mixprec.MixedPrecision("bf16-mixed", device="cpu", fp32_modules="1")
+    mp.prepare(net)
+    assert mixprec.island_names(net) == ["1"]
+    mp16 = mixprec.MixedPrecision("bf16-true", device="cpu", fp32_params="biases")
+    net16 = mp16.prepare(nn.Sequential(nn.Linear(4, 4)))
+    assert net16[0].bias.dtype == torch.float32 and net16[0].weight.dtype == torch.bfloat16
+
+
+def test_a_bad_nan_guard_is_refused_at_construction():
+    with pytest.raises(ValueError, match="nan_guard mode 'rase' is not one of raise, warn, record"):
+        mixprec.MixedPrecision("fp32", device="cpu", nan_guard="rase")
+    with pytest.raises(TypeError, match="nan_guard must be a bool"):
+        mixprec.MixedPrecision("fp32", device="cpu", nan_guard=3)
+
+
 def test_prepare_refuses_model_half_and_wrong_device_and_double_prepare():
     mp = mixprec.MixedPrecision("fp16-mixed", device="cpu")
     with pytest.raises(ValueError, match="model.half\\(\\) is low precision, not mixed precision"):

@@ -299,15 +299,20 @@ def facts_from_recipe(recipe: Any, device_type: str = "cpu") -> StorageFacts:
 
 
 def parse_count(text: str) -> int:
-    """``"7e9"``, ``"7B"``, ``"125M"``, ``"1_000"`` -> an int."""
+    """``"7e9"``, ``"7B"``, ``"6.7B"``, ``"125M"``, ``"1_000"`` -> an int (read in decimal, so
+    ``6.7B`` is exactly 6,700,000,000; a fraction of a parameter is refused)."""
+    import decimal
+
     t = text.strip().replace("_", "").replace(",", "")
-    mult = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}.get(t[-1:].lower(), 1)
+    mult = {"k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}.get(t[-1:].lower(), 1)
     if mult != 1:
         t = t[:-1]
     try:
-        value = float(t) * mult
-    except ValueError:
+        value = decimal.Decimal(t) * mult
+    except decimal.InvalidOperation:
         raise ValueError(f"cannot read a parameter count from {text!r}; write e.g. 7e9, 7B, 125M or 1000") from None
-    if value < 0 or value != value:
+    if not value.is_finite() or value < 0:
         raise ValueError(f"a parameter count must be >= 0, got {text!r}")
-    return int(round(value))
+    if value != value.to_integral_value():
+        raise ValueError(f"a parameter count is a whole number, got {text!r} ({value.normalize()})")
+    return int(value)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 HELP = "plan (and measure) the memory of weights, grads, masters, optimizer state and activations"
@@ -61,9 +62,19 @@ def _human(n: float) -> str:
 
 
 def _load(spec: str) -> Any:
-    from mixprec.tasks import import_factory
+    """Build what ``--model`` names; an error in the user's module or factory is one line."""
+    import traceback
 
-    return import_factory(spec)()
+    from mixprec.tasks import TaskError, import_factory
+
+    try:
+        return import_factory(spec)()
+    except TaskError:
+        raise
+    except Exception as e:  # importing the module or calling the factory raised
+        frame = traceback.extract_tb(e.__traceback__)[-1]
+        where = "" if isinstance(e, SyntaxError) else f" (at {frame.filename}:{frame.lineno} in {frame.name})"
+        raise TaskError(f"{spec}: {type(e).__name__}: {e}{where}") from e
 
 
 def _builtin_task(shape, load_task):
@@ -91,8 +102,10 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from mixprec.memory import COMPONENTS, ParamCounts, TransformerShape, facts_from_recipe, parse_count, plan
-    from mixprec.recipes import list_recipes, resolve_recipe
+    from mixprec.memory import (
+        COMPONENTS, ParamCounts, TransformerShape, facts_from_recipe, optimizer_state_bytes, parse_count, plan,
+    )
+    from mixprec.recipes import as_device, check_device_can_run, list_recipes, resolve_recipe
     from mixprec.tasks import Task, TaskError, load_task
 
     try:
@@ -106,6 +119,18 @@ def run(args: argparse.Namespace) -> int:
                                  args.attention) if all(given) else None
         if args.params is not None and args.model is not None:
             raise ValueError("give --params or --model, not both")
+        if args.params is not None:
+            parse_count(args.params)  # a bad count is an error now, not a traceback later
+            if args.measure:
+                raise ValueError("--measure runs a real step on a model: give --model (a Task factory) or "
+                                 "nothing (the built-in task), not --params")
+        optimizer_state_bytes(args.optimizer)  # names the known optimizers when it is not one
+        device_type = args.device.split(":")[0]
+        if device_type not in ("cpu", "cuda"):
+            raise ValueError(f"--device {args.device!r}: mixprec plans for cpu or cuda")
+        if args.measure:  # cuda where there is none: say so before building anything
+            for recipe in recipes:
+                check_device_can_run(recipe, as_device(args.device))
         task = model = None
         if args.model is not None:
             built = _load(args.model)
@@ -131,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
                 raise ValueError(f"--trainable {args.trainable} is more than --params {args.params}")
             frozen = total - trainable
     except (ValueError, RuntimeError, TaskError) as e:
-        print(f"error: {e}")
+        print(f"error: {e}", file=sys.stderr)
         return 2
 
     from mixprec.memory_measure import count_params, measure_step

@@ -143,9 +143,9 @@ class MixedPrecision:
             raise ValueError(f"accumulate must be an integer >= 1, got {accumulate!r}")
         self.accumulate = accumulate
         self.track_grad_norm = track_grad_norm
-        self.fp32_modules = tuple(fp32_modules)
+        self.fp32_modules = _rules(fp32_modules)
         self.scaler = self._make_scaler(scaler, skip_nonfinite)
-        self.nan_guard = nan_guard
+        self.nan_guard = _check_nan_guard(nan_guard)
         self.guard = None
         self._micro = 0
         self._steps = 0
@@ -155,7 +155,7 @@ class MixedPrecision:
         self._false: torch.Tensor | None = None
         self.masters: MasterWeights | None = None
         if self.recipe.stores_16bit:
-            rule = self.recipe.fp32_params if fp32_params is None else tuple(fp32_params)
+            rule = self.recipe.fp32_params if fp32_params is None else _rules(fp32_params)
             self.masters = make_masters(self.recipe.master, self.policy.param_dtype, rule)
         elif fp32_params is not None:
             raise ValueError(
@@ -326,6 +326,11 @@ class MixedPrecision:
             retain_graph: passed to ``backward``.
         """
         opts = _as_optimizers(optimizers)
+        if max_grad_norm is not None and not float(max_grad_norm) > 0:
+            raise ValueError(
+                f"max_grad_norm must be > 0 (or None for no clipping), got {max_grad_norm!r}: a norm "
+                "of 0 would zero every update, a negative one would reverse it"
+            )
         loss32 = self._check_loss(loss)
         micro = loss32 / self.accumulate if self.accumulate > 1 else loss32
         self.scaler.scale(micro).backward(retain_graph=retain_graph)
@@ -436,3 +441,23 @@ class MixedPrecision:
     def __repr__(self) -> str:
         return f"MixedPrecision({self.recipe.name!r}, device={str(self.device)!r})"
 
+
+def _rules(rules: Any) -> tuple[Any, ...]:
+    """A rule list for ``fp32_modules``/``fp32_params``: one rule (a name, a class, a predicate)
+    alone is a list of one, not a string to iterate letter by letter."""
+    if isinstance(rules, (str, type)) or callable(rules):
+        return (rules,)
+    return tuple(rules)
+
+
+def _check_nan_guard(flag: Any) -> Any:
+    """Refuse a bad ``nan_guard`` now rather than at ``prepare``."""
+    if flag is None or isinstance(flag, (bool, dict)):
+        return flag
+    from mixprec.diagnostics.guard import _MODES  # (only here: the guard's module is not light)
+
+    if not isinstance(flag, str):
+        raise TypeError(f"nan_guard must be a bool, a mode ({', '.join(_MODES)}) or a dict of options; got {flag!r}")
+    if flag not in _MODES:
+        raise ValueError(f"nan_guard mode {flag!r} is not one of {', '.join(_MODES)} (or True/False, or a dict of options)")
+    return flag

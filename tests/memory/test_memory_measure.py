@@ -104,10 +104,30 @@ def test_cli_measure_puts_measured_bytes_beside_the_plan(capsys):
     (["--model", "mixprec.tasks.charlm:CharGPT", "--measure"], "--measure needs data"),
     (["--model", "mixprec.tasks.charlm:CharGPT", "--trainable", "10"], "--trainable goes with --params"),
     (["--params", "1M", "--trainable", "2M"], "is more than --params"),
+    (["--params", "7Q"], "cannot read a parameter count from '7Q'"),
+    (["--params", "-1"], "must be >= 0"),
+    (["--params", "1.5"], "a parameter count is a whole number"),
+    (["--params", "7e9", "--optimizer", "adamx"], "unknown optimizer 'adamx'"),
+    (["--params", "7e9", "--device", "tpu"], "plans for cpu or cuda"),
+    (["--params", "7e9", "--measure"], "--measure runs a real step on a model"),
+    (["--model", "mixprec_no_such_module:f"], "cannot import module"),
+    (["--model", "tests_memory_bad_factory:make"], "ZeroDivisionError: division by zero (at "),
+    (["--model", "tests_memory_bad_syntax:make"], "SyntaxError"),
 ])
-def test_cli_errors_say_what_to_do(capsys, args, message):
+def test_cli_errors_say_what_to_do(capsys, args, message, tmp_path, monkeypatch):
+    (tmp_path / "tests_memory_bad_factory.py").write_text("def make():\n    return 1 / 0\n")
+    (tmp_path / "tests_memory_bad_syntax.py").write_text("def make(:\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
     assert main(["memory", *args]) == 2
-    assert message in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert message in captured.err and "Traceback" not in captured.err + captured.out
+    assert captured.err.count("\n") == 1  # one line
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
+def test_cli_measure_on_cuda_without_cuda_is_one_line(capsys):
+    assert main(["memory", "--measure", "--device", "cuda"]) == 2
+    assert "CUDA" in capsys.readouterr().err
 
 
 def test_cli_trainable_leaves_frozen_parameters_without_state(capsys):
