@@ -117,9 +117,9 @@ def _scatter_(dst: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
 
 
 class _StepInBuckets:
-    """While active, ``optimizer.step(...)`` runs once per bucket (then once for the optimizer's
-    parameters outside any bucket: fp32-kept ones), each time with ``param_groups`` cut down to
-    that part; the instance ``step`` it replaces (an lr scheduler's counter) is what it calls."""
+    """While active, ``optimizer.step(...)`` runs once per bucket (the optimizer's parameters
+    outside any bucket, fp32-kept ones, step with the first), each time with ``param_groups`` cut
+    down to that part; the instance ``step`` it replaces (an lr scheduler's counter) is what it calls."""
 
     def __init__(self, owner: "MasterWeights", opt: torch.optim.Optimizer) -> None:
         self.owner, self.opt = owner, opt
@@ -148,11 +148,14 @@ class _StepInBuckets:
             for p in g["params"]:
                 parts[where.get(id(p), -1)][gi].append(p)
         out = None
+        rest = parts[-1]  # parameters the strategy does not store (fp32-kept, other models')
         for b, groups in zip(owner.buckets, parts):
             if any(owner.pending_grad(p) is not None for part in groups for p in part):
+                if rest is not None:  # they step with the first bucket: one optimizer call fewer
+                    groups = [part + extra for part, extra in zip(groups, rest)]
+                    rest = None
                 out = owner._step_bucket(b, opt, groups, self.inner, args, kwargs)
-        rest = parts[-1]  # parameters the strategy does not store (fp32-kept, other models')
-        if any(rest):
+        if rest is not None and any(rest):
             with _showing_only(opt, rest):
                 out = self.inner(*args, **kwargs)
         return out
@@ -366,31 +369,22 @@ class MasterWeights:
     def deferred_grad_norm_(self, params: Sequence[torch.Tensor], max_norm: float | None,
                             norm_type: float = 2.0) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` (``get_total_norm`` when ``max_norm`` is None) over
-        ``params`` (proxies and other parameters) while their 16-bit gradients are deferred: the
-        same total norm, bitwise, as over fp32 gradients (each 16-bit gradient is measured in fp32,
-        a bucket's worth of copies at a time); fp32 gradients are scaled now, deferred ones when
-        their bucket is folded (the same multiplication)."""
+        ``params`` (proxies and other parameters) while their 16-bit gradients are deferred: each
+        16-bit gradient's norm is computed in fp32 without a copy (on CPU bitwise the norm of its
+        fp32 value: tested), combined as torch combines them; fp32 gradients are scaled now,
+        deferred ones when their bucket is folded (the same multiplication)."""
         items = [(g, p.grad is None) for p in params if (g := self.pending_grad(p)) is not None]
         if not items:
             return torch.tensor(0.0)
         norm_type = float(norm_type)
         first = items[0][0].device
-        by_device: dict[torch.device, list[tuple[torch.Tensor, bool]]] = {}
-        for g, is16 in items:
-            by_device.setdefault(g.device, []).append((g, is16))
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for g, _ in items:
+            by_device.setdefault(g.device, []).append(g)
         norms: list[torch.Tensor] = []
         with torch.no_grad():
-            for group in by_device.values():
-                chunk: list[torch.Tensor] = []
-                numel = 0
-                for g, is16 in group:
-                    chunk.append(g.to(torch.float32) if is16 else g)
-                    numel += g.numel() if is16 else 0
-                    if numel >= self.bucket_numel:
-                        norms.extend(torch._foreach_norm(chunk, norm_type))
-                        chunk, numel = [], 0
-                if chunk:
-                    norms.extend(torch._foreach_norm(chunk, norm_type))
+            for grads in by_device.values():
+                norms.extend(torch._foreach_norm(grads, norm_type, dtype=torch.float32))
             total = torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]), norm_type)
             if max_norm is not None:
                 coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
