@@ -435,8 +435,9 @@ def test_static_scaler_never_changes_scale_but_skips_overflows():
     _train(s, w, o, [False] * 5 + [True] * 3)
     assert s.get_scale() == 1024.0
     assert s.history()["skipped"].tolist() == [False] * 5 + [True] * 3
-    with pytest.raises(ScalerConfigError, match="scale > 0"):
-        mixprec.StaticLossScaler(0.0, device="cpu")
+    for bad in (0.0, -1.0, float("nan"), "128", True):
+        with pytest.raises(ScalerConfigError, match="scale > 0"):
+            mixprec.StaticLossScaler(bad, device="cpu")
 
 
 def test_noop_scaler_passes_everything_through():

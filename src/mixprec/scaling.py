@@ -691,8 +691,8 @@ class StaticLossScaler(GradScaler):
     """
 
     def __init__(self, scale: float = 2.0**15, device: str = "cuda", enabled: bool = True, **kwargs: Any) -> None:
-        if not scale > 0:
-            raise ScalerConfigError(f"StaticLossScaler needs a scale > 0, got {scale}")
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
+            raise ScalerConfigError(f"StaticLossScaler needs a scale > 0 (a number), got {scale!r}")
         # growth_interval is never reached: _update_with_bounds is replaced below.
         super().__init__(device, init_scale=scale, enabled=enabled, **kwargs)
 

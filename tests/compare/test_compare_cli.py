@@ -48,6 +48,8 @@ def test_malformed_arguments_exit_2_from_argparse(argv, capsys):
     [
         (["--noise-seeds", "1"], "at least 2"),
         (["--recipes", "bf61-mixed"], "Unknown recipe 'bf61-mixed'"),
+        (["--recipes", ""], "--recipes names no recipe"),
+        (["--recipes", " , "], "--recipes names no recipe"),
         (["--task", "no_such_module_xyz:make_task"], "cannot import module 'no_such_module_xyz'"),
         (["--task", "compare_faults:no_such_factory"], "has no attribute 'no_such_factory'"),
         (["--task", "compare_faults"], "must look like 'package.module:function'"),

@@ -245,3 +245,15 @@ def test_at_risk_under_a_recipe_leaves_out_what_the_recipe_keeps_in_fp32():
     assert ("blocks.0.ln1", "layer_norm") in {(e.module, e.op) for e in full.entries}
     assert ("blocks.0.ln1", "layer_norm") not in ops  # computed in fp32 under the recipe
     assert ("blocks.0.qkv", "linear") in ops and ("blocks.0", "matmul") in ops
+
+
+def test_probes_say_which_argument_is_wrong():
+    model = nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match="takes the model \\(an nn.Module\\) first, got str"):
+        probe_grad_underflow("m", lambda: model(torch.ones(1, 2)).sum())
+    with pytest.raises(TypeError, match="takes a closure that runs the forward"):
+        probe_activation_range(model, model(torch.ones(1, 2)))
+    with pytest.raises(TypeError, match="takes the optimizer .* second, got Linear"):
+        probe_update_vanishing(model, model, lambda: model(torch.ones(1, 2)).sum())
+    assert hook_count(model) == 0 and model.weight.grad is None

@@ -132,7 +132,10 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         return error(str(e))
     threads = default_threads(args.threads, args.task, args.device)
-    recipes = split_recipes(args.recipes) or DEFAULT_RECIPES
+    recipes = split_recipes(args.recipes)
+    if recipes == ():
+        return error("--recipes names no recipe; give names (e.g. fp32 bf16-mixed), jmp policy strings, or 'all'")
+    recipes = recipes or DEFAULT_RECIPES
     progress = None if args.quiet else RichProgress(err)
     try:
         with progress if progress is not None else contextlib.nullcontext():

@@ -79,6 +79,7 @@ class NonFiniteEvent:
     step: int = 0
     scaled: bool = False
     scale: float = 1.0
+    output: TensorRange | None = None  # the offending output's range (the sign of an infinity)
 
     @property
     def where_text(self) -> str:
@@ -94,6 +95,14 @@ class NonFiniteEvent:
 
         return explain(self)
 
+    def _infs(self) -> str:
+        """"inf", "-inf" or "-inf and inf", from the output's range when it is known."""
+        r = self.output
+        if r is None:
+            return "inf"
+        signs = [t for t, hit in (("-inf", r.min == float("-inf")), ("inf", r.max == float("inf"))) if hit]
+        return " and ".join(signs) or "inf"
+
     def describe(self) -> str:
         """A few lines: what, where, the inputs, the likely cause and the fix."""
         what = "NaN" if self.kind == "nan" else "Inf"
@@ -102,7 +111,7 @@ class NonFiniteEvent:
         if self.where:
             lines.append(f"  at {self.where}")
         out = TensorRange(self.dtype, self.shape, float("nan"), float("nan")) if self.kind == "nan" else None
-        lines.append(f"  output: {out}" if out else f"  output: {_fmt_shape(self.dtype, self.shape)} holding inf")
+        lines.append(f"  output: {out}" if out else f"  output: {_fmt_shape(self.dtype, self.shape)} holding {self._infs()}")
         if self.inputs:
             label = "gradients in" if self.phase == "backward" else "inputs"
             lines.append(f"  {label}: " + "; ".join(map(str, self.inputs)))
@@ -335,7 +344,7 @@ class NanGuard:
         return NonFiniteEvent(
             phase=rec.phase, module=None if call is None else call.name, module_type=None if call is None else call.type,
             op=rec.op, node=rec.node, kind=kind, dtype=out.dtype, shape=out.shape, inputs=ins, origin=origin,
-            where=rec.where, step=self._tracer.forward_calls, scaled=scale > 1.0, scale=scale,
+            where=rec.where, step=self._tracer.forward_calls, scaled=scale > 1.0, scale=scale, output=out,
         )
 
     def _scale(self) -> float:

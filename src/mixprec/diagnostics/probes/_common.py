@@ -64,3 +64,14 @@ def run_backward(closure: Callable[[], torch.Tensor], what: str) -> torch.Tensor
         raise ValueError(f"{what}: the loss does not require grad (computed under torch.no_grad()?)")
     loss.backward()
     return loss
+
+
+def check_args(probe: str, model: object, closure: object, optimizer: object = None) -> None:
+    """A clear TypeError for arguments in the wrong place or of the wrong kind."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{probe} takes the model (an nn.Module) first, got {type(model).__name__}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"{probe} takes the optimizer (a torch.optim.Optimizer) second, got {type(optimizer).__name__}")
+    if not callable(closure):
+        raise TypeError(f"{probe} takes a closure that runs the forward and returns the loss, e.g. "
+                        f"lambda: loss_fn(model(x), y); got {type(closure).__name__}")

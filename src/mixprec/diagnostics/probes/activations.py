@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from mixprec.diagnostics._trace import Tracer
+from mixprec.diagnostics.probes._common import check_args
 from mixprec.formats import get_format, short_name
 
 Key = tuple[str | None, str | None, int]  # (module, op or None for the module output, occurrence)
@@ -120,6 +121,7 @@ def probe_activation_range(
         headroom_bits: flag entries within 2^headroom_bits of the maximum (2: above a quarter of it).
         ops: measure each op inside forwards, not only module outputs.
     """
+    check_args("probe_activation_range", model, closure)
     limit = get_format(fmt).max
     # finite values only: an intentional -inf (a causal mask) is not an activation out of range
     tracer = Tracer(model, ops=ops, backward=False, outside_modules=True, locate_ops=True, finite_only=True)

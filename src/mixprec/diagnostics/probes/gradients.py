@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from mixprec.diagnostics.probes._common import (
-    DEFAULT_FORMATS, GradSnapshot, formats, pow2_label, rounding_thresholds, run_backward,
+    DEFAULT_FORMATS, GradSnapshot, check_args, formats, pow2_label, rounding_thresholds, run_backward,
 )
 from mixprec.formats import get_format
 
@@ -253,6 +253,7 @@ def probe_grad_underflow(
         headroom_bits: the recommended scale keeps the largest gradient 2^headroom_bits below fp16's max.
         activations: also measure each module's output gradient (tensor hooks, removed after).
     """
+    check_args("probe_grad_underflow", model, closure)
     lo, hi = scale_exponents
     grid = _Grid(formats, [2.0**k for k in range(lo, hi + 1)] + [float(s) for s in scales])
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]

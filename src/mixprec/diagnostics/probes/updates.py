@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.diagnostics.probes._common import GradSnapshot, run_backward
+from mixprec.diagnostics.probes._common import GradSnapshot, check_args, run_backward
 from mixprec.formats import get_format
 
 
@@ -108,6 +108,7 @@ def probe_update_vanishing(
         restore: put the weights, the optimizer state and ``.grad`` back afterwards (default), so
             the probe leaves training untouched; False keeps the step.
     """
+    check_args("probe_update_vanishing", model, closure, optimizer)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     held = {id(p) for g in optimizer.param_groups for p in g["params"]}
     if not any(id(p) in held for _, p in named):
