@@ -24,8 +24,9 @@ When each component is alive (what ``peak`` assumes):
   one bucket, and, having no loss scaler, make that bucket's fp32 gradients only then (the 16-bit
   ones wait on the model); plus the temporaries of one bucket of the master-weight step
   (``StorageFacts.step_temp_bytes``). Optimizer temporaries are not counted: fused and
-  per-tensor kernels make none; torch's foreach kernels add up to 4 B/param. Gradient
-  accumulation is not planned (its fp32 accumulators hold 4 B/param through the window).
+  per-tensor kernels make none; torch's foreach kernels add up to 4 B/param.
+- gradient accumulation (``plan(..., accumulate=k)``): 16-bit storage recipes keep fp32
+  accumulators (4 B per trainable 16-bit parameter) through each window, beside every backward.
 """
 
 from __future__ import annotations
@@ -46,8 +47,8 @@ OPTIMIZER_STATE_BYTES: dict[str, int] = {
 }
 
 COMPONENTS = (
-    "weights", "masters", "optimizer state", "gradients", "autocast weight copies", "activations",
-    "step-time fp32",
+    "weights", "masters", "optimizer state", "gradients", "fp32 grad accumulators", "autocast weight copies",
+    "activations", "step-time fp32",
 )
 
 
@@ -228,8 +229,16 @@ def plan(
     facts: StorageFacts,
     optimizer: str = "adamw",
     shape: TransformerShape | None = None,
+    accumulate: int = 1,
 ) -> Plan:
-    """The bytes a recipe needs for ``counts`` parameters trained with ``optimizer``."""
+    """The bytes a recipe needs for ``counts`` parameters trained with ``optimizer``.
+
+    ``accumulate`` > 1 (gradient accumulation over micro-batches): a 16-bit storage recipe adds
+    each micro-batch's 16-bit gradients into fp32 accumulators on the masters (4 B per trainable
+    16-bit parameter through the window, beside the next micro-batch's backward); fp32 parameters
+    accumulate in their own ``.grad`` at no extra cost."""
+    if not isinstance(accumulate, int) or accumulate < 1:
+        raise ValueError(f"accumulate must be an integer >= 1, got {accumulate!r}")
     n = counts.total
     stores_16bit = facts.stores_16bit
     n16 = n - counts.fp32_kept if stores_16bit else 0
@@ -240,22 +249,26 @@ def plan(
     matmul = n if counts.matmul_weights is None else counts.matmul_weights
     # the largest bucket of the master-weight step (a tensor larger than a bucket is one alone)
     bucket = min(t16, max(facts.bucket_numel, counts.largest)) if facts.bucket_numel else t16
+    accumulators = t16 * 4 if accumulate > 1 else 0
+    defers = facts.defers_grads and accumulate == 1  # accumulated gradients are fp32 already
     b = {
         "weights": n16 * facts.param_bytes + n32 * 4,
         "masters": t16 * facts.master_bytes,
         "optimizer state": counts.trainable * optimizer_state_bytes(optimizer),
         "gradients": t16 * facts.param_bytes + t32 * 4,
+        "fp32 grad accumulators": accumulators,
         "autocast weight copies": matmul * facts.compute_bytes if facts.autocast and not stores_16bit else 0,
         "activations": activation_bytes(shape, facts) if shape is not None else 0,
         # the fp32 gradients of every 16-bit parameter (of one bucket, when they are made bucket
         # by bucket) and the rebuilt values of one bucket
-        "step-time fp32": (bucket if facts.defers_grads else t16) * facts.step_bytes + bucket * facts.step_value_bytes,
+        "step-time fp32": (bucket if defers else t16) * facts.step_bytes + bucket * facts.step_value_bytes,
     }
     persistent = b["weights"] + b["masters"] + b["optimizer state"]
-    fwd_bwd = b["gradients"] + b["autocast weight copies"] + b["activations"]
+    fwd_bwd = b["gradients"] + accumulators + b["autocast weight copies"] + b["activations"]
     # at the step the 16-bit gradients have become fp32 master gradients (counted in step-time),
     # or wait on the model for their bucket's turn (a bucket's own are freed once made fp32)
-    step = t32 * 4 + b["step-time fp32"] + ((t16 - bucket) * facts.param_bytes if facts.defers_grads else 0)
+    # (the accumulators are the step's fp32 gradients: counted in step-time, not again)
+    step = t32 * 4 + b["step-time fp32"] + ((t16 - bucket) * facts.param_bytes if defers else 0)
     if t16:  # one bucket's temporaries in the master-weight step
         step += bucket * facts.step_temp_bytes
     notes = []
@@ -268,6 +281,9 @@ def plan(
                      "single tensor (an untied LM head) is a bucket of its own: pass --model to count it")
     if shape is None:
         notes.append("no activations: give --batch --seq --d-model --layers --heads for a transformer estimate")
+    if accumulate > 1:
+        notes.append(f"accumulate={accumulate}: fp32 gradient accumulators through each window"
+                     if accumulators else f"accumulate={accumulate}: gradients accumulate in place (no extra memory)")
     return Plan(facts.name, optimizer.lower(), counts, b, persistent, fwd_bwd, step,
                 persistent + max(fwd_bwd, step), tuple(notes))
 

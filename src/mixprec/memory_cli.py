@@ -18,6 +18,7 @@ examples:
   mixprec memory --params 7B --recipe fp32,bf16-mixed,bf16-true,bf16-true-sr
   mixprec memory --params 7B --recipe bf16-true --batch 1 --seq 4096 --d-model 4096 --layers 32 --heads 32 --vocab 32000
   mixprec memory --params 7B --trainable 40M --recipe bf16-mixed,bf16-true   # a frozen base (LoRA)
+  mixprec memory --params 7B --recipe bf16-mixed,bf16-true-sr --accumulate 8   # gradient accumulation
   mixprec memory --model mypkg.models:make_model --recipe all
   mixprec memory --measure --recipe bf16-mixed,bf16-true --batch 16 --seq 64 --d-model 64 --layers 2 --heads 4 --vocab 96
 """
@@ -36,6 +37,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     src.add_argument("--recipe", default="fp32,bf16-mixed,bf16-true",
                      help="recipe names, comma separated, or 'all' (default: fp32,bf16-mixed,bf16-true)")
     src.add_argument("--optimizer", default="adamw", help="adamw, adam, sgd, sgd-momentum, adagrad, rmsprop")
+    src.add_argument("--accumulate", type=int, default=1, metavar="K",
+                     help="gradient accumulation over K micro-batches (16-bit storage recipes then keep fp32 "
+                          "accumulators through each window; default 1)")
     act = parser.add_argument_group("activations of a GPT-style transformer (all five, or none)")
     act.add_argument("--batch", type=int)
     act.add_argument("--seq", type=int)
@@ -125,6 +129,10 @@ def run(args: argparse.Namespace) -> int:
                 raise ValueError("--measure runs a real step on a model: give --model (a Task factory) or "
                                  "nothing (the built-in task), not --params")
         optimizer_state_bytes(args.optimizer)  # names the known optimizers when it is not one
+        if args.accumulate < 1:
+            raise ValueError(f"--accumulate must be >= 1, got {args.accumulate}")
+        if args.measure and args.accumulate != 1:
+            raise ValueError("--measure runs one step of accumulate=1; drop --accumulate or --measure")
         device_type = args.device.split(":")[0]
         if device_type not in ("cpu", "cuda"):
             raise ValueError(f"--device {args.device!r}: mixprec plans for cpu or cuda")
@@ -164,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
     results = []
     for recipe in recipes:
         counts = count_params(model, recipe) if model is not None else ParamCounts(parse_count(args.params), frozen=frozen)
-        p = plan(counts, facts_from_recipe(recipe, args.device.split(":")[0]), args.optimizer, shape)
+        p = plan(counts, facts_from_recipe(recipe, args.device.split(":")[0]), args.optimizer, shape, args.accumulate)
         measured = measure_step(task, recipe, args.optimizer, args.device) if args.measure else None
         results.append((p, measured))
 
@@ -214,7 +222,7 @@ def run(args: argparse.Namespace) -> int:
     console.print(table)
     for note in sorted({note for p, _ in results for note in p.notes}):
         console.print(f"  note: {note}")
-    console.print("  peak = persistent + max(forward/backward: gradients + autocast copies + activations, "
+    console.print("  peak = persistent + max(forward/backward: gradients (+ accumulators) + autocast copies + activations, "
                   "optimizer step: fp32 gradients (the compact strategies: 16-bit gradients and one "
                   "bucket of fp32 ones) and one bucket of rebuilt fp32 values)")
     if args.measure and args.device.startswith("cpu"):

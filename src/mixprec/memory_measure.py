@@ -182,5 +182,6 @@ def measure_step(task: Task, recipe: str | Recipe, optimizer: str = "adamw", dev
         "autocast weight copies": copies,
         "activations": sum(b for b, _ in saved.values()) - copies,
         "step-time fp32": max(step_time, default=0),
+        "fp32 grad accumulators": 0,  # one step of accumulate=1
     }
     return Measured(measured, counts, peak, str(dev))

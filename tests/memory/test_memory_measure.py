@@ -109,6 +109,7 @@ def test_cli_measure_puts_measured_bytes_beside_the_plan(capsys):
     (["--params", "1.5"], "a parameter count is a whole number"),
     (["--params", "7e9", "--optimizer", "adamx"], "unknown optimizer 'adamx'"),
     (["--params", "7e9", "--device", "tpu"], "plans for cpu or cuda"),
+    (["--params", "7e9", "--accumulate", "0"], "--accumulate must be >= 1"),
     (["--params", "7e9", "--measure"], "--measure runs a real step on a model"),
     (["--model", "mixprec_no_such_module:f"], "cannot import module"),
     (["--model", "tests_memory_bad_factory:make"], "ZeroDivisionError: division by zero (at "),

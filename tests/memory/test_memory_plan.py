@@ -145,3 +145,21 @@ def test_a_tensor_larger_than_a_bucket_is_planned_as_a_bucket_of_its_own():
     assert known.bytes["step-time fp32"] == head * 8
     assert known.peak - bare.peak == (head - facts.bucket_numel) * (8 + facts.step_temp_bytes - 2)
     assert any("bucket of its own" in n for n in bare.notes) and not any("bucket" in n for n in known.notes)
+
+
+def test_accumulation_adds_fp32_accumulators_for_16bit_storage_only():
+    n = 7_000_000_000
+    for recipe, extra in (("bf16-mixed", 0), ("bf16-true", 4), ("bf16-true-sr", 4)):
+        facts = facts_from_recipe(get_recipe(recipe))
+        one, acc = plan(ParamCounts(n), facts, "adamw"), plan(ParamCounts(n), facts, "adamw", accumulate=8)
+        assert acc.bytes["fp32 grad accumulators"] == n * extra and one.bytes["fp32 grad accumulators"] == 0
+        assert acc.forward_backward == one.forward_backward + n * extra
+        assert acc.persistent == one.persistent
+    # the compact strategies no longer defer: the step's fp32 gradients are the accumulators
+    sr = facts_from_recipe(get_recipe("bf16-true-sr"))
+    acc = plan(ParamCounts(n), sr, "adamw", accumulate=2)
+    assert acc.bytes["step-time fp32"] == n * 4 + sr.bucket_numel * 4
+    assert acc.peak == acc.persistent + max(acc.forward_backward, acc.step) and acc.forward_backward == n * 6
+    assert any("accumulators" in note for note in acc.notes)
+    with pytest.raises(ValueError, match="accumulate must be an integer >= 1"):
+        plan(ParamCounts(n), sr, "adamw", accumulate=0)
