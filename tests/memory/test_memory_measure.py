@@ -137,3 +137,21 @@ def test_cli_trainable_leaves_frozen_parameters_without_state(capsys):
     assert result["params"]["frozen"] == 7e9 - 40e6
     assert result["bytes"]["optimizer state"] == 8 * 40e6 and result["bytes"]["masters"] == 4 * 40e6
     assert result["bytes"]["weights"] == 2 * 7e9
+
+
+@pytest.mark.parametrize("recipe", ["bf16-true", "bf16-true-sr"])
+def test_planned_accumulators_are_what_an_accumulation_window_holds(task, recipe):
+    import mixprec
+    from mixprec.memory_measure import count_params
+
+    mp = mixprec.MixedPrecision(recipe, "cpu", accumulate=2)
+    model = mp.prepare(task.build_model())
+    opt = __import__("torch").optim.AdamW(mp.parameters(model), lr=1e-3)
+    x, y = task.get_batch(0)
+    with mp.autocast():
+        out = task.run_forward(model, x)
+    mp.step(task.loss_fn(out, y), opt)  # the first micro-batch: no step yet
+    held = sum(s.proxy.grad.numel() * s.proxy.grad.element_size() for s in mp.masters.slots)
+    p = plan(count_params(model, get_recipe(recipe)), facts_from_recipe(get_recipe(recipe)), "adamw", accumulate=2)
+    assert held == p.bytes["fp32 grad accumulators"] > 0
+    assert all(s.param.grad is None for s in mp.masters.slots)  # the 16-bit ones went into them
