@@ -222,9 +222,11 @@ def run(args: argparse.Namespace) -> int:
     console.print(table)
     for note in sorted({note for p, _ in results for note in p.notes}):
         console.print(f"  note: {note}")
-    console.print("  peak = persistent + max(forward/backward: gradients (+ accumulators) + autocast copies + activations, "
+    console.print("  peak = persistent + max(forward/backward: gradients (+ accumulators) + autocast copies + activations "
+                  "+ the logits' gradient, "
                   "optimizer step: fp32 gradients (the compact strategies: 16-bit gradients and one "
                   "bucket of fp32 ones) and one bucket of rebuilt fp32 values)")
     if args.measure and args.device.startswith("cpu"):
-        console.print("  measured on CPU: tensor storages (no allocator peak); on CUDA the peak row is max_memory_allocated")
+        console.print("  measured on CPU: tensor storages, the peak too (counted through the dispatcher, no allocator "
+                      "slack); on CUDA the peak row is max_memory_allocated")
     return 0

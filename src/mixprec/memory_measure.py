@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from mixprec.masters import fp32_param_names
 from mixprec.memory import ParamCounts
@@ -88,7 +90,8 @@ def _nbytes(tensors: Iterable[torch.Tensor]) -> int:
 
 @dataclasses.dataclass
 class Measured:
-    """Bytes by component (keys as ``mixprec.memory.COMPONENTS``), and the CUDA peak when on CUDA."""
+    """Bytes by component (keys as ``mixprec.memory.COMPONENTS``), and the peak of the measured step
+    (``peak_allocated``: the CUDA allocator's, or on CPU the tensor storages alive, see ``LiveBytes``)."""
 
     bytes: dict[str, int]
     counts: ParamCounts
@@ -100,12 +103,59 @@ class Measured:
                 "peak_allocated": self.peak_allocated, "device": self.device}
 
 
+class LiveBytes(TorchDispatchMode):
+    """Bytes of tensor storages made while the mode is on and still alive, and their peak: the
+    CPU's stand-in for ``torch.cuda.max_memory_allocated`` (every op that makes a new storage is
+    seen by the dispatcher; views and in-place ops make none; a storage counts until it is freed)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = self.peak = 0
+        self._seen: set[int] = set()
+
+    def reset_peak(self) -> None:
+        self.peak = self.live
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func.is_view or func._schema.name.endswith("_") or any(a.is_out for a in func._schema.arguments):
+            return out  # no new storage
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor):
+                st = t.untyped_storage()
+                key, n = st.data_ptr(), st.nbytes()
+                if n == 0 or key in self._seen:
+                    continue
+                self._seen.add(key)
+                self.live += n
+                self.peak = max(self.peak, self.live)
+                weakref.finalize(st, self._free, key, n)
+        return out
+
+    def _free(self, key: int, n: int) -> None:
+        if key in self._seen:
+            self.live -= n
+            self._seen.discard(key)
+
+
 def measure_step(task: Task, recipe: str | Recipe, optimizer: str = "adamw", device: str | torch.device | None = "cpu",
                  seed: int = 0, warmup: int = 1) -> Measured:
     """Build ``task``'s model, prepare it for ``recipe``, run ``warmup`` steps, then one more step
     and measure what it held. The warm-up makes the measured step a steady one: the optimizer
-    state exists from its start (it is created inside the first ``step()``), as in training."""
+    state exists from its start (it is created inside the first ``step()``), as in training.
+
+    The peak: on CUDA the allocator's, over the measured step, of everything allocated since the
+    model was built; on CPU the same figure counted by ``LiveBytes`` (tensor storages, no
+    allocator slack)."""
     dev = as_device(device)
+    if dev.type == "cuda":
+        return _measure_step(task, recipe, optimizer, dev, seed, warmup, None)
+    with LiveBytes() as live:
+        return _measure_step(task, recipe, optimizer, dev, seed, warmup, live)
+
+
+def _measure_step(task: Task, recipe: str | Recipe, optimizer: str, dev: torch.device, seed: int, warmup: int,
+                  live: LiveBytes | None) -> Measured:
     rec = resolve_recipe(recipe, dev)
     cuda = dev.type == "cuda"
     base = 0
@@ -158,6 +208,8 @@ def measure_step(task: Task, recipe: str | Recipe, optimizer: str = "adamw", dev
     if cuda:
         torch.cuda.synchronize(dev)
         torch.cuda.reset_peak_memory_stats(dev)
+    if live is not None:
+        live.reset_peak()
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             with mp.autocast():
@@ -165,7 +217,7 @@ def measure_step(task: Task, recipe: str | Recipe, optimizer: str = "adamw", dev
             loss = task.loss_fn(out, targets)
         del out  # only what autograd saved should outlive the forward
         mp.step(loss, opt)
-        peak = None
+        peak = live.peak if live is not None else None
         if cuda:
             torch.cuda.synchronize(dev)
             peak = torch.cuda.max_memory_allocated(dev) - base

@@ -7,11 +7,11 @@ import warnings
 import pytest
 import torch
 from masters_helpers import assert_bitwise_equal, setup, snapshot, train
-from test_masters_temporaries import LiveBytes
 from torch import nn
 
 from mixprec import MixedPrecision
 from mixprec.masters.strategy import MasterWeights
+from mixprec.memory_measure import LiveBytes
 
 COMPACT = ["bf16-true-kahan", "bf16-true-sr", "bf16-true-remainder", "bf16-pure"]
 

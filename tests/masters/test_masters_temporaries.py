@@ -7,44 +7,13 @@ tensor storage an op creates, until it is freed (views and in-place ops allocate
 
 from __future__ import annotations
 
-import weakref
-
 import pytest
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from mixprec import MixedPrecision
 from mixprec.masters import STRATEGIES
-
-
-class LiveBytes(TorchDispatchMode):
-    """Peak bytes of tensor storages created inside the mode and still alive."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live = self.peak = 0
-        self._seen: set[int] = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func.is_view or func._schema.name.endswith("_") or any(a.is_out for a in func._schema.arguments):
-            return out  # no new storage
-        for t in out if isinstance(out, (tuple, list)) else [out]:
-            if isinstance(t, torch.Tensor):
-                st = t.untyped_storage()
-                key, n = st.data_ptr(), st.nbytes()
-                if n == 0 or key in self._seen:
-                    continue
-                self._seen.add(key)
-                self.live += n
-                self.peak = max(self.peak, self.live)
-                weakref.finalize(st, self._free, key, n)
-        return out
-
-    def _free(self, key: int, n: int) -> None:
-        self.live -= n
-        self._seen.discard(key)
+from mixprec.memory_measure import LiveBytes
 
 
 @pytest.mark.parametrize("recipe", ["bf16-true", "fp16-true", "bf16-true-kahan", "bf16-true-sr",
