@@ -6,7 +6,7 @@ Every comparison runs the same training three ways and compares bit for bit:
 - ``folded``: a bucket at a time, but the 16-bit gradients folded to fp32 after backward,
 - ``deferred``: the default (a bucket at a time, 16-bit gradients kept until their bucket's turn).
 
-Tests marked ``xfail(strict=True)`` are bugs found by the review (see their reasons).
+Tests headed "Found by the review" were bugs the review found, fixed since.
 """
 
 from __future__ import annotations
@@ -266,15 +266,13 @@ def test_step_hooks_fire_once_per_bucket_with_cut_down_groups(monkeypatch):
             assert call[gi] == [i for i in ids if i in set(call[gi])]
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "docs/masters.md says the optimizer is called 'once per bucket (and once more for parameters kept "
-    "in fp32)'; since the fp32-kept parameters step with the first bucket (_StepInBuckets.__call__), "
-    "step hooks fire once per bucket with gradients, not once more"))
+# Found by the review: docs/masters.md said the optimizer is called once more for the fp32-kept
+# parameters; they step with the first bucket.
 def test_docs_count_of_optimizer_calls_matches_the_code(monkeypatch):
     run = _run(monkeypatch, "deferred", steps=1)
     text = " ".join(DOC.read_text().split())
-    assert "once more for parameters kept in fp32" in text  # what the doc promises...
-    assert len(run["calls"]) == run["buckets"] + 1  # ... is not what happens: run["buckets"] calls
+    assert "once per bucket that has gradients (the parameters kept in fp32 step with the first" in text
+    assert len(run["calls"]) == run["buckets"]
 
 
 # ---------------------------------------------------------------------------- checkpoints
@@ -381,20 +379,14 @@ def _subset(names):
     return lambda model, mp, opt: [p for n, p in model.named_parameters() if n in names]
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "clipping parameters= that holds only fp32-kept parameters: deferred_grad_norm_ keeps the clip "
-    "coefficient in MasterWeights._grad_coef and _step_bucket folds every deferred 16-bit gradient with "
-    "it, so 16-bit gradients outside parameters= are scaled too (clip_grad_norm_ scales only the subset)"))
+# Found by the review (was a strict xfail): clipping parameters= that holds only fp32-kept parameters: deferred_grad_norm_ keeps the clip  coefficient in MasterWeights._grad_coef and _step_bucket folds every deferred 16-bit gradient with  it, s...
 def test_clipping_only_fp32_kept_parameters(monkeypatch):
     # the subset holds no 16-bit parameter: the deferred gradients must not be scaled
     _assert_modes_agree(monkeypatch, optimizer=lambda mp, m: torch.optim.SGD(mp.parameters(m), lr=0.1),
                         steps=1, max_grad_norm=1e-3, parameters=_subset({"blocks.0.fc.bias", "ln_f.weight"}))
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "deferred_grad_norm_ stores the clip coefficient in self._grad_coef and _step_bucket folds EVERY "
-    "deferred 16-bit gradient with it, not only those of the clipped `parameters=`: 16-bit parameters "
-    "outside the subset are clipped too (torch.nn.utils.clip_grad_norm_ scales only the subset)"))
+# Found by the review (was a strict xfail): deferred_grad_norm_ stores the clip coefficient in self._grad_coef and _step_bucket folds EVERY  deferred 16-bit gradient with it, not only those of the clipped `parameters=`: 16-bit parameters  outsi...
 def test_clipping_a_subset_that_holds_16bit_parameters(monkeypatch):
     _assert_modes_agree(monkeypatch, optimizer=lambda mp, m: torch.optim.SGD(mp.parameters(m), lr=0.1),
                         steps=1, max_grad_norm=1e-3, parameters=_subset({"blocks.0.fc.weight", "blocks.0.fc.bias"}))
@@ -444,10 +436,7 @@ def test_parameters_without_gradient_in_some_steps(recipe, monkeypatch):
     assert len(runs["deferred"]["calls"]) == 3 + 2 + 3 + 2
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "bf16-true-sr: a bucket none of whose parameters has a gradient is skipped by the bucketed step, "
-    "but the whole step rebuilds and writes it back, drawing random bits from the SR generator for it; "
-    "the generators then differ and every later rounding differs (not 'bitwise one whole step')"))
+# Found by the review (was a strict xfail): bf16-true-sr: a bucket none of whose parameters has a gradient is skipped by the bucketed step,  but the whole step rebuilds and writes it back, drawing random bits from the SR generator for it;  the...
 def test_stochastic_rounding_with_a_bucket_without_gradients(monkeypatch):
     _assert_modes_agree(monkeypatch, recipe="bf16-true-sr", model=_Branchy, loss=_branchy_loss, bucket_numel=72,
                         mp_kwargs=_ALL_16, steps=3)
@@ -631,11 +620,7 @@ def test_recovering_from_a_failed_step_by_clearing_every_gradient(monkeypatch):
     assert_bitwise_equal(_recover(monkeypatch, "whole", "opt+model"), _recover(monkeypatch, "deferred", "opt+model"))
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "after an exception inside a deferred bucketed step, the 16-bit gradients of the buckets not yet "
-    "reached stay on the model parameters (MasterWeights.deferred/stepping also stay True); "
-    "opt.zero_grad() cannot see them, so the next step's backward adds onto stale gradients. "
-    "The whole step had folded them into the proxies, which opt.zero_grad() clears"))
+# Found by the review (was a strict xfail): after an exception inside a deferred bucketed step, the 16-bit gradients of the buckets not yet  reached stay on the model parameters (MasterWeights.deferred/stepping also stay True);  opt.zero_grad()...
 def test_recovering_from_a_failed_step_with_opt_zero_grad(monkeypatch):
     assert_bitwise_equal(_recover(monkeypatch, "whole", "opt"), _recover(monkeypatch, "deferred", "opt"))
 
@@ -700,10 +685,7 @@ def test_a_failure_in_a_later_bucket_leaves_the_earlier_buckets_stepped(monkeypa
         assert "step" not in opt.__dict__
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "bf16-true-sr with a skipped step (skip_nonfinite, inf loss): the whole step rebuilds and writes "
-    "back every bucket in after_step (drawing SR random bits), the bucketed step rebuilds nothing; the "
-    "generator states then differ and later roundings differ"))
+# Found by the review (was a strict xfail): bf16-true-sr with a skipped step (skip_nonfinite, inf loss): the whole step rebuilds and writes  back every bucket in after_step (drawing SR random bits), the bucketed step rebuilds nothing; the  gene...
 def test_stochastic_rounding_across_a_skipped_step(monkeypatch):
     def loss(model, mp, step):
         out = _gpt_loss(model, mp, step)
@@ -713,10 +695,7 @@ def test_stochastic_rounding_across_a_skipped_step(monkeypatch):
                         mp_kwargs={"skip_nonfinite": True})
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "when none of the optimizer's parameters has a gradient in a step, _StepInBuckets.__call__ never "
-    "calls the optimizer (the whole step calls it once): its step hooks do not fire, and on the first "
-    "step an lr scheduler passed to mp.step warns 'lr_scheduler.step() before optimizer.step()'"))
+# Found by the review (was a strict xfail): when none of the optimizer's parameters has a gradient in a step, _StepInBuckets.__call__ never  calls the optimizer (the whole step calls it once): its step hooks do not fire, and on the first  step...
 def test_an_optimizer_whose_parameters_got_no_gradient_is_still_called_once(monkeypatch):
     with _mode(monkeypatch, "deferred", bucket_numel=72):
         mp = MixedPrecision("bf16-true-kahan", "cpu", fp32_params=())

@@ -123,6 +123,7 @@ class _StepInBuckets:
 
     def __init__(self, owner: "MasterWeights", opt: torch.optim.Optimizer) -> None:
         self.owner, self.opt = owner, opt
+        self.called = False  # the scaler called the optimizer (it does not on a skipped step)
         self.saved = opt.__dict__.get("step")
         self.inner = self.saved if self.saved is not None else type(opt).step.__get__(opt)
 
@@ -130,11 +131,21 @@ class _StepInBuckets:
         self.opt.step = self  # type: ignore[method-assign]
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
         if self.saved is None:
             del self.opt.step
         else:
             self.opt.step = self.saved  # type: ignore[method-assign]
+        owner = self.owner
+        if exc_type is not None and owner.deferred:
+            # The step failed part-way: the buckets it did not reach still have their gradients on
+            # the 16-bit model. Fold them onto the masters, where a whole step would have put them
+            # (so optimizer.zero_grad() clears them and the next backward does not add to them).
+            with torch.no_grad():
+                for b in owner.buckets:
+                    owner._fold_grads(b.slots)
+            owner.deferred = False
+        owner._optimizer_called = self.called
 
     @property
     def __wrapped__(self) -> Any:  # inspect.signature(opt.step) sees the real one
@@ -149,13 +160,16 @@ class _StepInBuckets:
                 parts[where.get(id(p), -1)][gi].append(p)
         out = None
         rest = parts[-1]  # parameters the strategy does not store (fp32-kept, other models')
+        self.called = True
         for b, groups in zip(owner.buckets, parts):
             if any(owner.pending_grad(p) is not None for part in groups for p in part):
                 if rest is not None:  # they step with the first bucket: one optimizer call fewer
                     groups = [part + extra for part, extra in zip(groups, rest)]
                     rest = None
                 out = owner._step_bucket(b, opt, groups, self.inner, args, kwargs)
-        if rest is not None and any(rest):
+            else:
+                owner._rewrite_bucket(b)  # unchanged; a random rounding still draws, in bucket order
+        if rest is not None:  # no bucket stepped: the optimizer is still called once, as a whole step would
             with _showing_only(opt, rest):
                 out = self.inner(*args, **kwargs)
         return out
@@ -193,6 +207,9 @@ class MasterWeights:
     #: bytes per element of one bucket allocated on top of that, at the worst point of the step
     #: (the flat 16-bit copies, the rounding arithmetic); measured by tests/masters.
     temp_bytes = 2
+    #: writing a value back draws random bits even when the value did not change (stochastic
+    #: rounding): a bucketed step then writes back the buckets it did not step too
+    draws_on_write = False
     description = ""
 
     def __init__(self, storage_dtype: torch.dtype, fp32_params: Sequence[ParamRule]) -> None:
@@ -217,7 +234,9 @@ class MasterWeights:
         #: ... and its 16-bit gradients stay on the model until their bucket steps (no fp32 copy
         #: of them all): decided at the boundary, see ``after_backward``
         self.deferred = False
+        self._optimizer_called = False  # set by a bucketed step's context on exit
         self._grad_coef: torch.Tensor | None = None  # the clip coefficient for deferred gradients
+        self._clipped: set[int] = set()  # ... and the slots (ids) it applies to
 
     # ------------------------------------------------------------------ attach
 
@@ -320,7 +339,7 @@ class MasterWeights:
                 s.proxy.grad is None and (s.param.grad is None or s.param.grad.layout == torch.strided)
                 for s in self.slots
             )
-            self._grad_coef = None
+            self._grad_coef, self._clipped = None, set()
             if self.deferred:
                 self.stepping = True
                 return
@@ -333,9 +352,11 @@ class MasterWeights:
                         self._materialize_bucket(b)
                 self.stepping = True
 
-    def _fold_grads(self, slots: Sequence[_Slot], coef: torch.Tensor | None = None) -> None:
-        """Move the 16-bit gradients of ``slots`` (one bucket's) into fp32 proxy gradients, times
-        ``coef`` (a clip coefficient) if given; accumulation across micro-steps adds in fp32."""
+    def _fold_grads(self, slots: Sequence[_Slot], coef: torch.Tensor | None = None,
+                    clipped: set[int] | frozenset[int] = frozenset()) -> None:
+        """Move the 16-bit gradients of ``slots`` (one bucket's) into fp32 proxy gradients, those
+        of the slots in ``clipped`` (ids) times ``coef`` (a clip coefficient); accumulation across
+        micro-steps adds in fp32."""
         fresh, dense_fresh, accum = [], [], []
         for s in slots:
             g = s.param.grad
@@ -350,9 +371,14 @@ class MasterWeights:
         if dense_fresh:
             # one flat fp32 gradient per bucket; each proxy's .grad is a view of it
             flat = _flat([s.param.grad for s in dense_fresh]).to(torch.float32)
+            views = _views(flat, [s.param for s in dense_fresh])
             if coef is not None:
-                flat.mul_(coef)
-            for s, g32 in zip(dense_fresh, _views(flat, [s.param for s in dense_fresh])):
+                hit = [v for s, v in zip(dense_fresh, views) if id(s) in clipped]
+                if len(hit) == len(views):
+                    flat.mul_(coef)
+                elif hit:
+                    torch._foreach_mul_(hit, coef)  # the same multiplication, on the clipped ones only
+            for s, g32 in zip(dense_fresh, views):
                 s.proxy.grad = g32
         for s in fresh:
             s.proxy.grad = s.param.grad.to(torch.float32)
@@ -374,6 +400,8 @@ class MasterWeights:
         fp32 value: tested), combined as torch combines them; fp32 gradients are scaled now,
         deferred ones when their bucket is folded (the same multiplication)."""
         items = [(g, p.grad is None) for p in params if (g := self.pending_grad(p)) is not None]
+        deferred_slots = {id(self._by_proxy[id(p)]) for p in params
+                          if p.grad is None and id(p) in self._by_proxy and self.pending_grad(p) is not None}
         if not items:
             return torch.tensor(0.0)
         norm_type = float(norm_type)
@@ -394,7 +422,7 @@ class MasterWeights:
                         now.setdefault(g.device, []).append(g)
                 for dev, grads in now.items():
                     torch._foreach_mul_(grads, coef.to(dev))
-                self._grad_coef = coef
+                self._grad_coef, self._clipped = coef, deferred_slots
         return total
 
     def can_step_in_buckets(self, optimizers: Sequence[torch.optim.Optimizer]) -> bool:
@@ -419,7 +447,8 @@ class MasterWeights:
         group), write back and free one bucket."""
         with torch.no_grad():
             if self.deferred:  # this bucket's gradients become fp32 now (clipped, if asked)
-                self._fold_grads(b.slots, None if self._grad_coef is None else self._grad_coef.to(b.device))
+                coef = None if self._grad_coef is None else self._grad_coef.to(b.device)
+                self._fold_grads(b.slots, coef, self._clipped)
             self._materialize_bucket(b)
         with _showing_only(opt, groups):
             out = step(*args, **kwargs)
@@ -430,6 +459,15 @@ class MasterWeights:
             self._release_bucket(b)
         return out
 
+    def _rewrite_bucket(self, b: _Bucket) -> None:
+        """Write a bucket back unchanged: a no-op, except that stochastic rounding draws its random
+        bits as a whole step would (so the two paths stay bitwise the same)."""
+        if self.draws_on_write:
+            with torch.no_grad():
+                self._materialize_bucket(b)
+                self._write_back_bucket(b)
+                self._release_bucket(b)
+
     def after_step(self) -> None:
         """Write the stepped fp32 values back into 16-bit storage and release step-only memory.
 
@@ -437,17 +475,23 @@ class MasterWeights:
         (an overflow with an unfused optimizer) or does not hold have no rebuilt value, and their
         16-bit weights are already what a skipped step leaves.
         """
+        # a bucketed step whose optimizer was never called (a skipped step) writes nothing back;
+        # stochastic rounding still draws for every bucket, as a whole step does
+        rewrite = self.in_buckets and not self._optimizer_called and self.draws_on_write
         with torch.no_grad():
             for b in self.buckets:
                 if not self.in_buckets:
+                    self._write_back_bucket(b)
+                elif rewrite:
+                    self._materialize_bucket(b)
                     self._write_back_bucket(b)
                 for s in b.slots:
                     s.proxy.grad = None
                     if self.deferred:  # never folded: not stepped (skipped, or not the optimizer's)
                         s.param.grad = None
                 self._release_bucket(b)
-        self.stepping = self.in_buckets = self.deferred = False
-        self._grad_coef = None
+        self.stepping = self.in_buckets = self.deferred = self._optimizer_called = False
+        self._grad_coef, self._clipped = None, set()
 
     def _stepped_values(self, b: _Bucket) -> torch.Tensor:
         """The bucket's fp32 values after the optimizer step, flat."""
@@ -649,6 +693,7 @@ class StochasticRoundingMasters(MasterWeights):
 
     kind = "sr"
     extra_bytes = 0
+    draws_on_write = True
     temp_bytes = 11  # the random bits, the finiteness test and the rounded result
     description = "bf16 weights, stepped in fp32 and stochastically rounded back (unbiased)"
 
