@@ -178,7 +178,7 @@ def _never_defer(monkeypatch):
                         lambda self, opts, boundary, defer=False: inner(self, opts, boundary, False))
 
 
-@pytest.mark.parametrize("recipe", COMPACT)
+@pytest.mark.parametrize("recipe", [*COMPACT, "bf16-true"])
 @pytest.mark.parametrize("clip", [None, 0.05, 10.0])
 def test_deferred_16bit_gradients_step_bitwise_like_fp32_gradients(recipe, clip, monkeypatch):
     # bf16 has no loss scaler: the gradients stay 16-bit until their bucket's turn; the clip's norm

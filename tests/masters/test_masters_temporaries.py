@@ -40,12 +40,12 @@ def test_declared_step_temporaries_match_what_the_step_allocates(recipe, monkeyp
         loss = model(torch.randn(4, 128)).float().pow(2).mean()
     mp.step(loss, opt)
     strategy = STRATEGIES[mp.recipe.master]
-    compact = strategy.value_bytes > 0
-    # the compact strategies step one bucket at a time; fp32 masters step whole
-    assert len(peaks.get("_step_bucket", [])) == (4 if compact else 0), peaks
-    if compact:
-        # no loss scaler: the 16-bit gradients wait on the model, nothing is made after backward;
-        # per bucket: its fp32 gradients and rebuilt values, and the temporaries, freed before the next
+    bucketed = mp.recipe.loss_scaling == "none"
+    # without a loss scaler the step runs one bucket at a time (fp16-true's scaler: whole)
+    assert len(peaks.get("_step_bucket", [])) == (4 if bucketed else 0), peaks
+    if bucketed:
+        # the 16-bit gradients wait on the model, nothing is made after backward; per bucket: its
+        # fp32 gradients and rebuilt values (none for fp32 masters), the temporaries, freed before the next
         assert peaks["after_backward"] == [0.0] and mp.masters.deferred is False  # (reset by after_step)
         measured_temp = [p - strategy.step_bytes - strategy.value_bytes for p in peaks["_step_bucket"]]
     else:

@@ -17,7 +17,8 @@ How the pieces meet (the contract ``MixedPrecision`` relies on):
 The compact strategies step **one bucket at a time** when they can (``bucketed_step``, around
 the scaler's ``step`` call): a bucket's fp32 values are rebuilt, the optimizer steps only that
 bucket's masters, the result is written back to 16 bits and the bucket's fp32 values and gradients
-are freed before the next. The step then holds fp32 gradients for the model plus fp32 values for
+are freed before the next. Without a loss scaler (and with ``accumulate=1``) every strategy, fp32
+masters included, also leaves the 16-bit gradients on the model until their bucket's turn. The step then holds fp32 gradients for the model plus fp32 values for
 one bucket, not for the whole model (the planner's figure). That needs an optimizer for which
 stepping parameters in parts is the same as stepping them at once (per-parameter updates:
 ``PER_PARAMETER_OPTIMIZERS``) and a single optimizer; otherwise every value is rebuilt at the
@@ -334,11 +335,13 @@ class MasterWeights:
         self.check_frozen()
         if boundary:
             self.check_optimizers(optimizers)
-            self.in_buckets = self.can_step_in_buckets(optimizers)
-            self.deferred = defer and self.in_buckets and all(
+            in_parts = self.can_step_in_buckets(optimizers)
+            self.deferred = defer and in_parts and all(
                 s.proxy.grad is None and (s.param.grad is None or s.param.grad.layout == torch.strided)
                 for s in self.slots
             )
+            # fp32 masters rebuild nothing: stepping them in parts pays only for deferred gradients
+            self.in_buckets = in_parts and (self.value_bytes > 0 or self.deferred)
             self._grad_coef, self._clipped = None, set()
             if self.deferred:
                 self.stepping = True
@@ -427,11 +430,7 @@ class MasterWeights:
 
     def can_step_in_buckets(self, optimizers: Sequence[torch.optim.Optimizer]) -> bool:
         """Whether the coming step can run a bucket at a time (see the module docstring)."""
-        return (
-            self.value_bytes > 0
-            and len(optimizers) == 1
-            and type(optimizers[0]) in PER_PARAMETER_OPTIMIZERS
-        )
+        return len(optimizers) == 1 and type(optimizers[0]) in PER_PARAMETER_OPTIMIZERS
 
     def bucketed_step(self, optimizers: Sequence[torch.optim.Optimizer]) -> Any:
         """A context for the scaler's ``step(optimizer)`` calls: when this step runs in buckets,
