@@ -214,6 +214,14 @@ def module_matches_rule(name: str, module: nn.Module, rule: Rule) -> bool:
     return name == rule or type(module).__name__ == rule
 
 
+def as_rules(rules: Any) -> list[Any]:
+    """A list of rule items from one item (a name, a class, a predicate) or a sequence of them: a
+    lone string is one rule, not letters (for ``keep_fp32``, ``fp32_modules`` and ``fp32_params``)."""
+    if isinstance(rules, (str, type)) or callable(rules):
+        return [rules]
+    return list(rules)
+
+
 def keep_fp32(
     model: nn.Module,
     rules: Sequence[Rule] | Rule,
@@ -224,9 +232,7 @@ def keep_fp32(
     A module inside an island is not made an island again (the outer one already covers it).
     Raises ValueError if a name in ``rules`` matches nothing (a typo would otherwise pass silently).
     """
-    if isinstance(rules, (str, type)) or callable(rules):
-        rules = [rules]  # type: ignore[list-item]
-    rules = list(rules)  # type: ignore[arg-type]
+    rules = as_rules(rules)
     modules = list(model.named_modules())  # pre-order: parents before children
     hits = [{i for i, r in enumerate(rules) if module_matches_rule(n, m, r)} for n, m in modules]
     matched = set().union(*hits)

@@ -19,7 +19,6 @@ the 16-bit model. Their optimizer is built over ``mp.parameters(model)``, the fp
 from __future__ import annotations
 
 import contextlib
-
 import dataclasses
 import warnings
 from collections.abc import Iterable, Sequence
@@ -29,7 +28,7 @@ import torch
 from torch import nn
 
 from mixprec.formats import short_name
-from mixprec.islands import Rule, keep_fp32
+from mixprec.islands import Rule, as_rules, keep_fp32
 from mixprec.masters import MasterWeights, make_masters
 from mixprec.policy import cast_floating
 from mixprec.recipes import Recipe, as_device, resolve_recipe
@@ -143,7 +142,7 @@ class MixedPrecision:
             raise ValueError(f"accumulate must be an integer >= 1, got {accumulate!r}")
         self.accumulate = accumulate
         self.track_grad_norm = track_grad_norm
-        self.fp32_modules = _rules(fp32_modules)
+        self.fp32_modules = tuple(as_rules(fp32_modules))
         self.scaler = self._make_scaler(scaler, skip_nonfinite)
         self.nan_guard = _check_nan_guard(nan_guard)
         self.guard = None
@@ -155,7 +154,7 @@ class MixedPrecision:
         self._false: torch.Tensor | None = None
         self.masters: MasterWeights | None = None
         if self.recipe.stores_16bit:
-            rule = self.recipe.fp32_params if fp32_params is None else _rules(fp32_params)
+            rule = self.recipe.fp32_params if fp32_params is None else tuple(as_rules(fp32_params))
             self.masters = make_masters(self.recipe.master, self.policy.param_dtype, rule)
         elif fp32_params is not None:
             raise ValueError(
@@ -440,14 +439,6 @@ class MixedPrecision:
 
     def __repr__(self) -> str:
         return f"MixedPrecision({self.recipe.name!r}, device={str(self.device)!r})"
-
-
-def _rules(rules: Any) -> tuple[Any, ...]:
-    """A rule list for ``fp32_modules``/``fp32_params``: one rule (a name, a class, a predicate)
-    alone is a list of one, not a string to iterate letter by letter."""
-    if isinstance(rules, (str, type)) or callable(rules):
-        return (rules,)
-    return tuple(rules)
 
 
 def _check_nan_guard(flag: Any) -> Any:

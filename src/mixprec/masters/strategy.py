@@ -402,9 +402,14 @@ class MasterWeights:
         16-bit gradient's norm is computed in fp32 without a copy (on CPU bitwise the norm of its
         fp32 value: tested), combined as torch combines them; fp32 gradients are scaled now,
         deferred ones when their bucket is folded (the same multiplication)."""
-        items = [(g, p.grad is None) for p in params if (g := self.pending_grad(p)) is not None]
-        deferred_slots = {id(self._by_proxy[id(p)]) for p in params
-                          if p.grad is None and id(p) in self._by_proxy and self.pending_grad(p) is not None}
+        items: list[tuple[torch.Tensor, bool]] = []  # (gradient, still 16-bit on the model)
+        deferred_slots: set[int] = set()
+        for p in params:
+            g = self.pending_grad(p)
+            if g is not None:
+                items.append((g, p.grad is None))
+                if p.grad is None:  # a proxy whose 16-bit gradient waits (pending_grad found its slot)
+                    deferred_slots.add(id(self._by_proxy[id(p)]))
         if not items:
             return torch.tensor(0.0)
         norm_type = float(norm_type)
