@@ -154,7 +154,7 @@ class _StepInBuckets:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         owner, opt = self.owner, self.opt
-        where = {id(s.proxy): i for i, b in enumerate(owner.buckets) for s in b.slots}
+        where = owner._bucket_of
         parts: list[list[list[torch.Tensor]]] = [[[] for _ in opt.param_groups] for _ in range(len(owner.buckets) + 1)]
         for gi, g in enumerate(opt.param_groups):
             for p in g["params"]:
@@ -224,6 +224,7 @@ class MasterWeights:
         self._model: nn.Module | None = None
         self._by_param: dict[int, _Slot] = {}
         self._by_proxy: dict[int, _Slot] = {}
+        self._bucket_of: dict[int, int] = {}  # id(proxy) -> index of its bucket
         self.stepping = False
         self._placeholders: dict[torch.device, torch.Tensor] = {}
         self.buckets: list[_Bucket] = []
@@ -273,6 +274,7 @@ class MasterWeights:
                 self._by_param[id(p)] = slot
                 self._by_proxy[id(proxy)] = slot
             self.buckets = _buckets(self.slots, self.bucket_numel)
+            self._bucket_of = {id(sl.proxy): i for i, b in enumerate(self.buckets) for sl in b.slots}
             start = 0  # buckets hold consecutive slots
             for b in self.buckets:
                 self._init_bucket(b, values_32[start:start + len(b.slots)])
@@ -481,14 +483,12 @@ class MasterWeights:
         """
         # a bucketed step whose optimizer was never called (a skipped step) writes nothing back;
         # stochastic rounding still draws for every bucket, as a whole step does
-        rewrite = self.in_buckets and not self._optimizer_called and self.draws_on_write
         with torch.no_grad():
             for b in self.buckets:
                 if not self.in_buckets:
                     self._write_back_bucket(b)
-                elif rewrite:
-                    self._materialize_bucket(b)
-                    self._write_back_bucket(b)
+                elif not self._optimizer_called:
+                    self._rewrite_bucket(b)
                 for s in b.slots:
                     s.proxy.grad = None
                     if self.deferred:  # never folded: not stepped (skipped, or not the optimizer's)
