@@ -37,6 +37,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--threads", type=int, default=0, help="torch threads on the CPU (0: leave as is)")
+    p.add_argument("--ops", action=argparse.BooleanOptionalAction, default=True,
+                   help="nan_guard(ops=...): watch each torch call, not only module outputs")
+    p.add_argument("--backward", action=argparse.BooleanOptionalAction, default=True,
+                   help="nan_guard(backward=...): watch the gradients through each autograd node")
+    p.add_argument("--locate", action=argparse.BooleanOptionalAction, default=True,
+                   help="nan_guard(locate=...): note each op's source line")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     if args.threads:
@@ -48,7 +54,8 @@ def main(argv: list[str] | None = None) -> dict:
     for guarded in (False, True):
         torch.manual_seed(0)
         model = task.build_model().to(device)
-        mp = mixprec.MixedPrecision(args.recipe, device, nan_guard="raise" if guarded else False)
+        guard = {"mode": "raise", "ops": args.ops, "backward": args.backward, "locate": args.locate}
+        mp = mixprec.MixedPrecision(args.recipe, device, nan_guard=guard if guarded else False)
         mp.prepare(model)
         sides[guarded] = (model, mp, task.build_optimizer(model.parameters()), [])
 
@@ -73,6 +80,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {
         "recipe": mixprec.resolve_recipe(args.recipe, device).name, "device": str(device),
         "batch_size": args.batch_size, "seq_len": args.seq_len, "threads": torch.get_num_threads(),
+        "guard_options": {"ops": args.ops, "backward": args.backward, "locate": args.locate},
         "steps": args.steps, "off_ms": off * 1e3, "on_ms": on * 1e3, "ratio": on / off,
         "hooks_off": hook_count(sides[False][0]), "hooks_on": hook_count(sides[True][0]),
         "guard_checks": sides[True][1].guard.checks, "guard_events": len(sides[True][1].guard.events),
@@ -83,7 +91,9 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"built-in task, recipe {result['recipe']} on {device}, B={args.batch_size} T={args.seq_len}, "
               f"{result['threads']} thread(s), median of {args.steps} interleaved steps")
         print(f"  guard off: {off * 1e3:8.2f} ms/step   hooks on the model: {result['hooks_off']}")
-        print(f"  guard on:  {on * 1e3:8.2f} ms/step   hooks on the model: {result['hooks_on']}   "
+        opts = ", ".join(f"{k}={v}" for k, v in result["guard_options"].items())
+        print(f"  guard on:  {on * 1e3:8.2f} ms/step   ({opts})")
+        print(f"             hooks on the model: {result['hooks_on']}   "
               f"checks: {result['guard_checks']} (host syncs), events: {result['guard_events']}")
         print(f"  ratio on/off: {result['ratio']:.2f}x  (target < 1.5x)")
     return result

@@ -79,6 +79,25 @@ def op_name(func: Any) -> str:
             "imul": "mul_", "rpow": "pow", "rmul": "mul", "radd": "add"}.get(name, name)
 
 
+_ACCUMULATE, _LAYOUT, _HOOKED = 0, 1, 2
+_NODE_KINDS: dict[type, int] = {}
+
+
+def _node_kind(cls: type) -> int:
+    """What ``adopt`` does with an autograd node of this class (cached: a few dozen classes)."""
+    kind = _NODE_KINDS.get(cls)
+    if kind is None:
+        name = cls.__name__
+        if name == "AccumulateGrad":
+            kind = _ACCUMULATE
+        elif name.rstrip("0123456789") in _LAYOUT_NODES:
+            kind = _LAYOUT
+        else:
+            kind = _HOOKED
+        kind = _NODE_KINDS[cls] = kind
+    return kind
+
+
 @dataclasses.dataclass(eq=False)
 class ModuleCall:
     """One call of one module (identity matters: the same module called twice is two calls)."""
@@ -124,34 +143,86 @@ class _NodeInfo:
         self.consumed = False
 
 
+_OP_NAMES: dict[Any, str] = {}  # func -> op_name(func): the mode sees the same few hundred funcs
+
+
+def _cached_op_name(func: Any) -> str:
+    try:
+        name = _OP_NAMES.get(func)
+    except TypeError:  # an unhashable callable
+        return op_name(func)
+    if name is None:
+        name = _OP_NAMES[func] = op_name(func)
+    return name
+
+
+def _scan(args: tuple, kwargs: dict) -> tuple[list[torch.Tensor], bool, bool]:
+    """One pass over an op's arguments: its floating-point tensors (``out=`` left out) and whether
+    a Python float among them is NaN or infinite (``masked_fill(m, -inf)`` asks for an infinity)."""
+    tensors: list[torch.Tensor] = []
+    nan = inf = False
+    stack = list(args)
+    if kwargs:
+        stack.extend(v for k, v in kwargs.items() if k != "out")
+        out = kwargs.get("out")
+        if out is not None:  # its floats still count as asked for; its tensors are not inputs
+            n, i = _scalar_flags(out)
+            nan, inf = nan or n, inf or i
+    while stack:
+        v = stack.pop()
+        if isinstance(v, torch.Tensor):
+            if v.is_floating_point():
+                tensors.append(v)
+        elif isinstance(v, float):
+            if v != v:
+                nan = True
+            elif v in _INFS:
+                inf = True
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v)
+        elif isinstance(v, dict):
+            stack.extend(v.values())
+    tensors.reverse()  # popped from the end: back into argument order
+    return tensors, nan, inf
+
+
+_INFS = (float("inf"), float("-inf"))
+
+
 class _OpMode(TorchFunctionMode):
     def __init__(self, tracer: "Tracer") -> None:
         super().__init__()
         self.tracer = tracer
 
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        tr = self.tracer
-        name = op_name(func)
+        # Runs for every torch call in a watched forward: keep the common paths short.
+        if kwargs is None:
+            kwargs = {}
+        name = _cached_op_name(func)
         if name in _PASS_THROUGH:
             return func(*args, **kwargs)
+        tr = self.tracer
         call = tr.stack[-1] if tr.stack else None
         if call is None and not (tr.outside_modules and torch.is_grad_enabled()):
             return func(*args, **kwargs)
-        ins = floating_tensors((args, kwargs), skip_keys=("out",))
-        in_idx = tuple(tr.stats.add(t) for t in ins)  # before the op: in-place ops overwrite them
+        ins, sn, si = _scan(args, kwargs)
+        add = tr.stats.add
+        in_idx = tuple([add(t) for t in ins])  # before the op: in-place ops overwrite them
         out = func(*args, **kwargs)
-        outs = floating_tensors(out)
+        if isinstance(out, torch.Tensor):
+            outs = [out] if out.is_floating_point() else []
+        else:
+            outs = floating_tensors(out)
         if not outs:
             return out
-        out_idx = tuple(tr.stats.add(t) for t in outs)
-        sn, si = _scalar_flags((args, kwargs))
+        out_idx = tuple([add(t) for t in outs])
         where = tr.locate() if tr.locate_ops else None
         tr.records.append(Record("forward", call, name, None, in_idx, out_idx, sn, si, where))
         if tr.backward:
             for t in outs:
-                if t.grad_fn is not None:
-                    tr.adopt(t.grad_fn, call, name, where)
+                fn = t.grad_fn
+                if fn is not None:
+                    tr.adopt(fn, call, name, where)
         return out
 
 
@@ -296,25 +367,26 @@ class Tracer:
 
     def adopt(self, node: Any, call: ModuleCall | None, op: str | None, where: str | None) -> None:
         """Hook ``node`` and the nodes behind it not seen yet: those were made by this op (or module)."""
+        key = self._key
         todo = [(node, False)]
         while todo:
             n, via_edge = todo.pop()
             if n is None:
                 continue
+            kind = _node_kind(type(n))
+            if kind == _ACCUMULATE:
+                continue  # a leaf's .grad: the gradient reaching it was already seen leaving its consumer
             # The mark lives on the C++ node (its metadata dict), so it cannot be confused with
             # another node the way a Python id of a short-lived wrapper could, and holds nothing alive.
             meta = n.metadata
-            mark = meta.get(self._key)
+            mark = meta.get(key)
             if mark is not None:
                 if via_edge:  # a watched op uses this node's output: its gradient comes from us
                     mark.consumed = True
                 continue
-            kind = type(n).__name__
-            if kind == "AccumulateGrad":
-                continue  # a leaf's .grad: the gradient reaching it was already seen leaving its consumer
-            info = meta[self._key] = _NodeInfo(self._token, call, op, n.name(), where)
+            info = meta[key] = _NodeInfo(self._token, call, op, n.name(), where)
             todo.extend((f, True) for f, _ in n.next_functions)
-            if kind.rstrip("0123456789") not in _LAYOUT_NODES:
+            if kind == _HOOKED:
                 self._node_handles.append(n.register_hook(functools.partial(self._on_node, info)))
 
     def _on_node(self, info: "_NodeInfo", grad_inputs: tuple, grad_outputs: tuple) -> None:
@@ -326,15 +398,19 @@ class Tracer:
                 self.on_backward_start()
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         with _quiet():  # an op mode may be live in backward: keep our own ops out of it
-            # The gradient coming into a node that watched ops consume is what their nodes sent
-            # out, already measured (or their sum): measuring it again would double the cost of
-            # backward. Only gradients arriving from outside (the loss) are measured on the way in.
-            # (A sum of finite gradients that overflows then blames this node: it is the node whose
-            # output gradient went bad.)
-            gin = () if info.consumed else tuple(self.stats.add(g) for g in grad_outputs if _is_float(g))
-            gout = tuple(self.stats.add(g) for g in grad_inputs if _is_float(g))
+            gin, gout = self._measure_grads(info, grad_inputs, grad_outputs)
         if gout:
             self.records.append(Record("backward", info.call, info.op, info.node, gin, gout, False, False, info.where))
+
+    def _measure_grads(self, info: "_NodeInfo", grad_inputs: tuple, grad_outputs: tuple) -> tuple[tuple, tuple]:
+        add = self.stats.add
+        # The gradient coming into a node that watched ops consume is what their nodes sent out,
+        # already measured (or their sum): measuring it again would double the cost of backward.
+        # Only gradients arriving from outside (the loss) are measured on the way in. (A sum of
+        # finite gradients that overflows then blames this node: it is the node whose output
+        # gradient went bad.)
+        gin = () if info.consumed else tuple([add(g) for g in grad_outputs if _is_float(g)])
+        return gin, tuple([add(g) for g in grad_inputs if _is_float(g)])
 
     def _end_backward(self) -> None:
         self._in_backward = False

@@ -170,14 +170,22 @@ class AllowRule:
         return call is not None and any(fnmatch.fnmatchcase(c.name, self.module) for c in call.ancestors())
 
 
-def _flags(ranges: list[TensorRange], idx: Sequence[int | None]) -> tuple[bool, bool]:
+def _flags(bad: dict[int, tuple[bool, bool]], idx: Sequence[int | None]) -> tuple[bool, bool]:
     nan = inf = False
     for i in idx:
-        if i is not None:
-            r = ranges[i]
-            nan |= r.nan
-            inf |= r.inf
+        f = bad.get(i)  # type: ignore[arg-type]  (None is never a key)
+        if f is not None:
+            nan |= f[0]
+            inf |= f[1]
     return nan, inf
+
+
+def _nonfinite(ranges: Sequence[TensorRange]) -> dict[int, tuple[bool, bool]]:
+    """``{index: (nan, inf)}`` of the ranges that are not finite."""
+    bad = getattr(ranges, "nonfinite", None)
+    if bad is None:
+        bad = {i: (r.nan, r.inf) for i, r in enumerate(ranges) if not r.finite}
+    return bad
 
 
 def find_producer(
@@ -194,14 +202,15 @@ def find_producer(
     by watched nodes carry no incoming ranges (see ``Tracer._on_node``): they are judged by what
     came before them in the pass.
     """
+    bad = _nonfinite(ranges)
     tainted: set[int] = set()
     intentional = False  # an infinity asked for (a -inf scalar, an allowed producer) was seen
     first_bad_input: tuple[Record, str] | None = None
     for rec in records:
-        out_nan, out_inf = _flags(ranges, rec.outputs)
+        out_nan, out_inf = _flags(bad, rec.outputs)
         if not (out_nan or out_inf):
             continue
-        t_nan, t_inf = _flags(ranges, rec.inputs)
+        t_nan, t_inf = _flags(bad, rec.inputs)
         in_nan, in_inf = t_nan or rec.scalar_nan, t_inf or rec.scalar_inf
         kind = "nan" if out_nan else "inf"
         if rec.op is None and rec.node is None and rec.call is not None and id(rec.call) in tainted:
@@ -323,6 +332,9 @@ class NanGuard:
         """Evaluate what was recorded since the last check (one host sync); returns new events."""
         records, ranges = self._tracer.take()
         if not records:
+            return []
+        if ranges.all_finite:  # the usual pass: nothing to look for, no range objects built
+            self.checks += 1
             return []
         new: list[NonFiniteEvent] = []
         for phase in ("forward", "backward"):

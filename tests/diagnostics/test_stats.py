@@ -1,0 +1,101 @@
+"""The range buffer behind the NaN guard: measurements against direct reductions, its cache, and
+the lazily built ranges."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from mixprec.diagnostics._stats import Ranges, StatsBuffer, _dense_view
+from mixprec.diagnostics.guard import find_producer
+from mixprec.diagnostics._trace import Record, _scan
+
+
+def _direct(t: torch.Tensor) -> tuple[float, float]:
+    lo, hi = torch.aminmax(t.detach().contiguous())
+    return float(lo), float(hi)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.randn(7, 5),
+    lambda: torch.randn(5, 7).t(),                      # a transpose: measured through its dense view
+    lambda: torch.randn(2, 3, 4).permute(2, 0, 1),
+    lambda: torch.randn(6, 8)[:, ::2],                  # not dense: measured as it is
+    lambda: torch.randn(4, 4).to(torch.bfloat16).t(),
+    lambda: torch.tensor([[1.0, float("nan")], [3.0, 4.0]]).t(),
+    lambda: torch.tensor([[1.0, float("-inf")], [3.0, 4.0]]).t(),
+])
+def test_ranges_equal_a_direct_reduction_for_any_layout(make):
+    t = make()
+    buf = StatsBuffer()
+    i = buf.add(t)
+    r = buf.read()[i]
+    lo, hi = _direct(t)
+    assert r.dtype == t.dtype and r.shape == tuple(t.shape)
+    if math.isnan(lo):
+        assert r.nan
+    else:
+        assert (r.min, r.max) == (lo, hi)
+
+
+def test_dense_view_reorders_a_transpose_and_leaves_a_strided_slice():
+    t = torch.randn(5, 7).t()
+    v = _dense_view(t)
+    assert v.is_contiguous() and v.data_ptr() == t.data_ptr()
+    s = torch.randn(6, 8)[:, ::2]
+    assert _dense_view(s) is s
+
+
+def test_cache_answers_the_same_tensor_once_and_remeasures_after_an_in_place_change():
+    buf = StatsBuffer()
+    t = torch.tensor([1.0, 2.0])
+    a, b = buf.add(t), buf.add(t)
+    assert a == b and len(buf) == 1
+    t.mul_(10)  # bumps the version counter: a new measurement
+    c = buf.add(t)
+    assert c != a
+    ranges = buf.read()
+    assert (ranges[a].max, ranges[c].max) == (2.0, 20.0)
+    with torch.inference_mode():  # no version counter: measured every time, never cached
+        u = torch.ones(3)
+    assert buf.add(u) != buf.add(u)
+    assert buf.add(torch.empty(0)) is None
+
+
+def test_ranges_are_built_lazily_and_index_like_a_list():
+    flat = [0.0, 1.0, float("nan"), 2.0, float("-inf"), 3.0, 4.0, float("inf"), -1.0, 1.0]
+    meta = [(torch.float32, torch.Size([i + 1])) for i in range(5)]
+    r = Ranges(flat, meta)
+    assert len(r) == 5 and not r._built
+    assert r.nonfinite == {1: (True, False), 2: (False, True), 3: (False, True)}
+    assert not r.all_finite and not r._built  # the flags need no range objects
+    assert r[-1].min == -1.0 and r[4] is r[-1]
+    assert [x.max for x in r[1:3]] == [2.0, 3.0] and r[1].nan
+    assert [x.shape for x in r] == [(1,), (2,), (3,), (4,), (5,)]
+    with pytest.raises(IndexError):
+        r[5]
+    assert Ranges([0.0, 1.0], [(torch.float16, torch.Size([]))]).all_finite
+
+
+def test_find_producer_gives_the_same_answer_from_a_plain_list_of_ranges():
+    buf = StatsBuffer()
+    x = torch.tensor([0.0, 1.0])
+    y = x.log()  # -inf from finite inputs: the producer
+    z = y * 2
+    recs = [Record("forward", None, "log", None, (buf.add(x),), (buf.add(y),), False, False, None),
+            Record("forward", None, "mul", None, (buf.add(y),), (buf.add(z),), False, False, None)]
+    ranges = buf.read()
+    lazy = find_producer(recs, ranges)
+    plain = find_producer(recs, list(ranges))
+    assert lazy == plain and lazy[0].op == "log" and lazy[1:] == ("inf", "producer")
+
+
+def test_scan_finds_float_tensors_in_order_and_the_floats_asked_for():
+    a, b, c = torch.ones(1), torch.ones(2), torch.ones(3)
+    ints = torch.ones(2, dtype=torch.long)
+    tensors, nan, inf = _scan((a, [b, ints, (c, 2.0)]), {"out": torch.ones(4), "value": float("-inf")})
+    assert [t.numel() for t in tensors] == [1, 2, 3] and (nan, inf) == (False, True)
+    assert _scan((a,), {"out": [float("nan")]})[1:] == (True, False)  # floats under out= still count
+    assert _scan((), {}) == ([], False, False)
