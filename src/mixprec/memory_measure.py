@@ -80,7 +80,8 @@ def count_params(model: nn.Module, recipe: Recipe) -> ParamCounts:
     return ParamCounts(sum(p.numel() for p in params.values()), kept, sum(matmul.values()), frozen, frozen_kept, largest)
 
 
-def _nbytes(tensors: Iterable[torch.Tensor]) -> int:
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views and ties count once)."""
     seen: dict[int, int] = {}
     for t in tensors:
         st = t.untyped_storage()
@@ -202,7 +203,7 @@ def _measure_step(task: Task, recipe: str | Recipe, optimizer: str, dev: torch.d
         # rebuilt values (not a bucket's zero-byte placeholder: an expanded scalar)
         values = [p.data for p in held if p.untyped_storage().data_ptr() not in persistent
                   and p.untyped_storage().nbytes() >= p.numel() * p.element_size()]
-        step_time.append(_nbytes([*values, *(p.grad for p in held if p.grad is not None)]))
+        step_time.append(storage_bytes([*values, *(p.grad for p in held if p.grad is not None)]))
 
     hooks.append(opt.register_step_pre_hook(pre_step))
     if cuda:
@@ -227,9 +228,9 @@ def _measure_step(task: Task, recipe: str | Recipe, optimizer: str, dev: torch.d
     state = [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]
     copies = sum(b for b, is_copy in saved.values() if is_copy)
     measured = {
-        "weights": _nbytes(params),
-        "masters": _nbytes(masters),
-        "optimizer state": _nbytes(state),
+        "weights": storage_bytes(params),
+        "masters": storage_bytes(masters),
+        "optimizer state": storage_bytes(state),
         "gradients": sum(grads.values()),
         "autocast weight copies": copies,
         "activations": sum(b for b, _ in saved.values()) - copies,

@@ -68,3 +68,42 @@ def test_matmul_peak_reports_the_faster_layout():
     assert p["n"] == 64 and p["dtype"] == "torch.bfloat16"
     assert set(p["layouts"]) == {"nn", "nt"}
     assert p["flops_per_s"] == pytest.approx(2 * 64**3 / min(p["layouts"].values()))
+
+
+def _adamw_block(shape, recipe):
+    dev = torch.device("cpu")
+    t = Trainer(Variant(recipe), shape, dev, "foreach", 1.0, make_batches(shape, dev, count=1))
+    t.step()  # the optimizer state exists from the first step on
+    return t
+
+
+@pytest.mark.parametrize("recipe, bytes_per_param", [("fp32", 4 + 8), ("bf16-mixed", 4 + 8), ("bf16-true", 2 + 4 + 8),
+                                                     ("bf16-true-kahan", 2 + 2 + 8), ("bf16-true-sr", 2 + 8)])
+def test_persistent_bytes_are_weights_masters_and_adamw_state(recipe, bytes_per_param):
+    shape = SHAPES["tiny"]
+    t = _adamw_block(shape, recipe)
+    n = sum(p.numel() for p in t.model.parameters())
+    kept = 0
+    if recipe.startswith("bf16-true"):  # norms stay fp32 (no master: 4 + 8 bytes each)
+        kept = sum(p.numel() for p in t.model.parameters() if p.dtype == torch.float32)
+    steps = len(t.opt.state) * 4  # AdamW's step counter: one fp32 scalar per parameter
+    # the compact strategies' proxies between steps: a scalar expanded to the shape (no per-element bytes)
+    placeholders = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
+                    for g in t.opt.param_groups for p in g["params"] if p.numel() > 1 and not any(p.stride())}
+    assert len(placeholders) <= 1
+    assert t.persistent_bytes() == (n - kept) * bytes_per_param + kept * 12 + steps + sum(placeholders.values())
+
+
+def test_cpu_step_peak_counts_this_variant_only_and_activations_come_first():
+    shape = SHAPES["tiny"]
+    t = _adamw_block(shape, "fp32")
+    mem = t.memory()
+    # every ratio here is a count of the same storages: no timing, no allocator
+    assert mem["forward_delta"] >= mem["saved_bytes"] > 0
+    assert mem["peak_step"] >= mem["persistent_bytes"] + mem["forward_delta"]
+    others = [_adamw_block(shape, "fp32") for _ in range(2)]  # alive meanwhile: not counted
+    assert t.memory() == mem and others
+    # above persistent, the step holds the forward's tensors at one time and every fp32 gradient
+    # (4 B/param) at another (backward frees activations as it makes gradients)
+    n = sum(p.numel() for p in t.model.parameters())
+    assert mem["peak_step"] - mem["persistent_bytes"] >= max(mem["forward_delta"], 4 * n)

@@ -6,6 +6,9 @@
   weight copies, which are real extra memory held until backward.
 - ``cuda_forward_delta``: allocated CUDA memory after the forward minus before it (gradients
   cleared): what the allocator really holds, workspace and all.
+- ``forward_delta``: the same on any device: on CUDA the allocator's figure, on the CPU the bytes
+  of the tensor storages the forward made and still holds (``mixprec.memory_measure.LiveBytes``,
+  when the caller passes one that is on).
 """
 
 from __future__ import annotations
@@ -58,14 +61,16 @@ def measure_activation_memory(
     *,
     inputs: Iterable[torch.Tensor] = (),
     saved_tensors: bool = True,
+    live: Any = None,
 ) -> dict[str, int | None]:
     """Run ``forward`` (returning the loss) once and report what it holds for backward.
 
     ``inputs`` (the batch) and the model's parameters and buffers are not counted. The caller
     clears gradients first. ``saved_tensors`` False skips the hook count (compiled graphs save
-    tensors outside Python's view).
+    tensors outside Python's view). ``live``: a ``LiveBytes`` mode the caller has entered (CPU).
     """
-    result: dict[str, int | None] = {"saved_bytes": None, "cuda_forward_delta": None}
+    result: dict[str, int | None] = {"saved_bytes": None, "cuda_forward_delta": None, "forward_delta": None}
+    live_before = live.live if live is not None else 0
     if device.type == "cuda":
         synchronize(device)
         before = torch.cuda.memory_allocated(device)
@@ -77,6 +82,8 @@ def measure_activation_memory(
         loss = forward()
     if device.type == "cuda":
         synchronize(device)
-        result["cuda_forward_delta"] = torch.cuda.memory_allocated(device) - before
+        result["cuda_forward_delta"] = result["forward_delta"] = torch.cuda.memory_allocated(device) - before
+    elif live is not None:
+        result["forward_delta"] = live.live - live_before
     del loss
     return result

@@ -24,6 +24,7 @@ from mixprec.bench.block import FLOP_FORMULA, RefBlock, Shape, block_flops, loss
 from mixprec.bench.memory import measure_activation_memory
 from mixprec.bench.peak import measure_matmul_peak, peak_key, peak_keys, tf32
 from mixprec.bench.timing import Summary, count_syncs, interleaved_order, paired_ratio, synchronize, time_call
+from mixprec.memory_measure import LiveBytes, storage_bytes
 from mixprec.recipes import list_recipes, resolve_recipe
 from mixprec.training import MixedPrecision
 
@@ -132,18 +133,42 @@ class Trainer:
             self.mp.step(loss, self.opt, max_grad_norm=self.clip)
         self.steps += 1
 
+    def persistent_bytes(self) -> int:
+        """What this variant holds between steps: weights, buffers, masters (and their
+        compensation or remainders), optimizer state; each storage once."""
+        tensors = [*self.model.parameters(), *self.model.buffers(),
+                   *(p for g in self.opt.param_groups for p in g["params"]),
+                   *(v for st in self.opt.state.values() for v in st.values() if torch.is_tensor(v))]
+        if self.mp.masters is not None:
+            tensors += [t for s in self.mp.masters.slots for t in self.mp.masters.extra_tensors(s)]
+        return storage_bytes(tensors)
+
     def memory(self) -> dict[str, int | None]:
-        """Activation memory of one forward, then peak allocated memory over one full step (CUDA)."""
+        """Activation memory of one forward, then the peak of one full step: this variant's
+        persistent bytes plus the most the step held above them (CUDA: the allocator's peak less
+        what was allocated before the step, so the other variants' models do not count; CPU: tensor
+        storages alive, counted by ``LiveBytes``; not for compiled variants on the CPU)."""
         self.opt.zero_grad(set_to_none=True)
-        mem = measure_activation_memory(lambda: self.loss(0), self.model, self.device, inputs=self.batches[0],
-                                        saved_tensors=not self.variant.compile)
-        mem["cuda_peak_step"] = None
-        if self.device.type == "cuda":
-            synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self.step()
-            synchronize(self.device)
-            mem["cuda_peak_step"] = torch.cuda.max_memory_allocated(self.device)
+        cuda = self.device.type == "cuda"
+        live = LiveBytes() if not cuda and not self.variant.compile else None
+        persistent = self.persistent_bytes()
+        with live if live is not None else contextlib.nullcontext():
+            mem = measure_activation_memory(lambda: self.loss(0), self.model, self.device, inputs=self.batches[0],
+                                            saved_tensors=not self.variant.compile, live=live)
+            mem["persistent_bytes"] = persistent
+            mem["peak_step"] = None
+            if cuda:
+                synchronize(self.device)
+                before = torch.cuda.memory_allocated(self.device)
+                torch.cuda.reset_peak_memory_stats(self.device)
+                self.step()
+                synchronize(self.device)
+                mem["peak_step"] = persistent + torch.cuda.max_memory_allocated(self.device) - before
+            elif live is not None:
+                live.reset_peak()
+                before = live.live
+                self.step()
+                mem["peak_step"] = persistent + live.peak - before
         return mem
 
 

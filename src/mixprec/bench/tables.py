@@ -39,7 +39,7 @@ def _ratio(r: dict[str, float] | None) -> str:
 def bench_rows(doc: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     """Header and rows of the recipe table: one row per variant."""
     headers = ["variant", "step ms (median)", "IQR %", "speedup vs fp32 [IQR]", "tokens/s", "FLOP/s",
-               "% of peak", "ideal ms", "saved act MiB", "CUDA act MiB", "CUDA peak MiB", "syncs/step"]
+               "% of peak", "ideal ms", "saved act MiB", "act MiB", "step peak MiB", "syncs/step"]
     rows = []
     for r in doc["results"]:
         if r["status"] != "ok":
@@ -52,7 +52,7 @@ def bench_rows(doc: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
             r["label"], _ms(s["median"]), f"{iqr:.1f}", _ratio(r.get("speedup_vs_fp32")),
             _si(r["tokens_per_s"]), _si(r["achieved_flops_per_s"]),
             "n/a" if frac is None else f"{100 * frac:.1f} ({r['peak_key']})", _ms(r.get("ideal_s")),
-            _mib(mem.get("saved_bytes")), _mib(mem.get("cuda_forward_delta")), _mib(mem.get("cuda_peak_step")),
+            _mib(mem.get("saved_bytes")), _mib(mem.get("forward_delta")), _mib(mem.get("peak_step")),
             "n/a" if r.get("syncs_per_step") is None else f"{r['syncs_per_step']:g}",
         ])
     return headers, rows
@@ -123,18 +123,18 @@ def roofline_lines(doc: dict[str, Any]) -> list[str]:
 
 def compact_rows(doc: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     """A narrow recipe table for the end of a log: time, speedup, % of peak, memory, syncs."""
-    headers = ["variant", "step ms", "x fp32", "% peak", "act MiB", "syncs"]
+    headers = ["variant", "step ms", "x fp32", "% peak", "act MiB", "peak MiB", "syncs"]
     rows = []
     for r in doc["results"]:
         if r["status"] != "ok":
-            rows.append([r["label"], r["status"], _first_line(r["error"], 60), "", "", ""])
+            rows.append([r["label"], r["status"], _first_line(r["error"], 60), "", "", "", ""])
             continue
         mem = r.get("memory") or {}
-        act = mem.get("cuda_forward_delta") if mem.get("cuda_forward_delta") is not None else mem.get("saved_bytes")
+        act = mem.get("forward_delta") if mem.get("forward_delta") is not None else mem.get("saved_bytes")
         sp, frac = r.get("speedup_vs_fp32"), r.get("peak_fraction")
         rows.append([
             r["label"], _ms(r["step_s"]["median"]), "n/a" if not sp else f"{sp['median']:.2f}",
-            "n/a" if frac is None else f"{100 * frac:.1f} {r['peak_key']}", _mib(act),
+            "n/a" if frac is None else f"{100 * frac:.1f} {r['peak_key']}", _mib(act), _mib(mem.get("peak_step")),
             "n/a" if r.get("syncs_per_step") is None else f"{r['syncs_per_step']:g}",
         ])
     return headers, rows
