@@ -425,3 +425,37 @@ def test_half_model_is_found_per_function_and_through_a_method_chain():
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
     """
     assert codes(source) == [(8, "MP106")]
+
+
+def test_a_scaler_received_as_a_parameter_is_the_callers_to_update():
+    # framework-style step: the runner that passes the scaler in calls update() after the step
+    source = """
+    import torch
+
+    class Model(torch.nn.Module):
+        def train_step(self, batch, optimizer, grad_scaler=None):
+            loss = self.compute(batch)
+            if grad_scaler is not None:
+                grad_scaler.scale(loss).backward()
+                grad_scaler.step(optimizer)
+            else:
+                loss.backward()
+                optimizer.step()
+            return loss
+    """
+    assert codes(source) == []
+
+
+def test_a_scaler_the_file_owns_is_still_reported_when_never_updated():
+    source = """
+    import torch
+
+    class Trainer:
+        def __init__(self):
+            self.scaler = torch.amp.GradScaler("cuda")
+
+        def step(self, loss, opt):
+            self.scaler.scale(loss).backward()
+            self.scaler.step(opt)
+    """
+    assert codes(source, "MP104") == [(10, "MP104")]

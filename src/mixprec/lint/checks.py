@@ -237,7 +237,8 @@ def _method_calls(script: Script, method: str) -> list[tuple[str, ast.Call]]:
 def _update_never_called(script: Script) -> list[Hit]:  # MP104 (the whole-file half)
     """A scaler that is stepped but never updated anywhere in the file, and never handed to
     code that might update it (compared by last name: ``self.scaler`` and ``trainer.scaler``
-    may be one object)."""
+    may be one object). A scaler the stepping function receives as a parameter belongs to
+    its caller, which may update it after the call (a runner calling ``train_step``)."""
     updated = {last(k) for k, _ in _method_calls(script, "update") if script.is_scaler(k)}
     passed = set()
     for call in script.calls:
@@ -252,8 +253,22 @@ def _update_never_called(script: Script) -> list[Hit]:  # MP104 (the whole-file 
             continue
         if name in updated or name in passed or ("self" in passed and k.startswith("self.")):
             continue
+        if _received(script, call, k):
+            continue
         hits.append(Hit("MP104", call, f"{k}.step() but {k}.update() is never called"))
     return hits
+
+
+def _received(script: Script, node: ast.AST, k: str) -> bool:
+    """Whether ``k`` is (an attribute of) a parameter of the function around ``node``, other
+    than ``self``/``cls``: an object the caller made and still holds."""
+    func = script.owner(node)
+    if func is None:
+        return False
+    root = k.split(".")[0]
+    a = func.args
+    params = {p.arg for p in (*a.posonlyargs, *a.args, *a.kwonlyargs)}
+    return root in params and root not in ("self", "cls")
 
 
 def _cast_16(script: Script, node: ast.AST) -> ast.Call | None:
