@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import ast
 
-from mixprec.lint.flow import Branch, Event, Flow, Region, exclusive
+from mixprec.lint.flow import Branch, Event, Flow, Region, exclusive, opposite_arms
 from mixprec.lint.names import Script, argument, key_of, last
 from mixprec.lint.report import Hit
 
@@ -190,12 +190,20 @@ class FunctionChecks:
         fp16 = [e for e in regions if e.ctx[-1].autocast.dtype == "fp16"]
         plain = [b for b in backs if b.loss == "plain" or (b.loss == "scaled" and not self.live(b.scaler))]
         scaler_used = scaled or any(e.kind in ("scaler_step", "unscale", "update", "escape") for e in self.events)
-        if fp16 and plain and not scaler_used:
+        # a region and a backward() that cannot run in one pass (``if amp:`` ... ``else:``) are no pair
+        pairs = [
+            (r, b)
+            for r in fp16
+            for b in plain
+            if not (exclusive(r, b) if r.order < b.order else exclusive(b, r)) and not opposite_arms(r, b)
+        ]
+        if pairs and not scaler_used:
+            region, back = pairs[0]
             self.hit(
                 "MP108",
-                place(fp16[0], plain[0]),
+                place(region, back),
                 f"float16 autocast with no GradScaler: backward() on line "
-                f"{(plain[0].site or plain[0].node).lineno} runs on an unscaled loss{_via(fp16[0])}",
+                f"{(back.site or back.node).lineno} runs on an unscaled loss{_via(region)}",
             )
 
     def step_on_unscaled(self) -> None:  # MP112
