@@ -425,3 +425,84 @@ def test_half_model_is_found_per_function_and_through_a_method_chain():
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
     """
     assert codes(source) == [(8, "MP106")]
+
+
+def test_a_scaler_received_as_a_parameter_is_the_callers_to_update():
+    # framework-style step: the runner that passes the scaler in calls update() after the step
+    source = """
+    import torch
+
+    class Model(torch.nn.Module):
+        def train_step(self, batch, optimizer, grad_scaler=None):
+            loss = self.compute(batch)
+            if grad_scaler is not None:
+                grad_scaler.scale(loss).backward()
+                grad_scaler.step(optimizer)
+            else:
+                loss.backward()
+                optimizer.step()
+            return loss
+    """
+    assert codes(source) == []
+
+
+def test_a_scaler_the_file_owns_is_still_reported_when_never_updated():
+    source = """
+    import torch
+
+    class Trainer:
+        def __init__(self):
+            self.scaler = torch.amp.GradScaler("cuda")
+
+        def step(self, loss, opt):
+            self.scaler.scale(loss).backward()
+            self.scaler.step(opt)
+    """
+    assert codes(source, "MP104") == [(10, "MP104")]
+
+
+def test_fp16_branch_and_fp32_backward_under_the_same_condition_are_not_one_step():
+    # the fp16 path backpropagates through a helper (a scaler wrapper); the plain backward()
+    # sits in the other arm of a second `if` on the same flag, so they never run together
+    source = """
+    import torch
+
+    def train(model, loader, opt, loss_scaler, use_amp):
+        for x, y in loader:
+            if use_amp:
+                with torch.autocast("cuda", dtype=torch.float16):
+                    loss = model(x, y)
+            else:
+                loss = model(x, y)
+            if not use_amp:
+                loss.backward()
+                opt.step()
+            else:
+                loss_scaler(loss, opt)
+    """
+    assert codes(source) == []
+
+
+@pytest.mark.parametrize(
+    "between",
+    ["use_amp = not use_amp", "use_amp = cfg.flag()", "pass"],
+    ids=["flag-flipped", "flag-reassigned", "other-condition"],
+)
+def test_fp16_branch_and_plain_backward_on_different_conditions_are_still_reported(between):
+    other = "use_fp32" if between == "pass" else "use_amp"
+    source = f"""
+    import torch
+
+    def train(model, loader, opt, use_amp, use_fp32):
+        for x, y in loader:
+            if use_amp:
+                with torch.autocast("cuda", dtype=torch.float16):
+                    loss = model(x, y)
+            else:
+                loss = model(x, y)
+            {between}
+            if {other}:
+                loss.backward()
+                opt.step()
+    """
+    assert codes(source, "MP108") == [(7, "MP108")]

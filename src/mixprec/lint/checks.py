@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import ast
 
-from mixprec.lint.flow import Branch, Event, Flow, Region, exclusive
+from mixprec.lint.flow import Branch, Event, Flow, Region, exclusive, opposite_arms
 from mixprec.lint.names import Script, argument, key_of, last
 from mixprec.lint.report import Hit
 
@@ -190,12 +190,20 @@ class FunctionChecks:
         fp16 = [e for e in regions if e.ctx[-1].autocast.dtype == "fp16"]
         plain = [b for b in backs if b.loss == "plain" or (b.loss == "scaled" and not self.live(b.scaler))]
         scaler_used = scaled or any(e.kind in ("scaler_step", "unscale", "update", "escape") for e in self.events)
-        if fp16 and plain and not scaler_used:
+        # a region and a backward() that cannot run in one pass (``if amp:`` ... ``else:``) are no pair
+        pairs = [
+            (r, b)
+            for r in fp16
+            for b in plain
+            if not (exclusive(r, b) if r.order < b.order else exclusive(b, r)) and not opposite_arms(r, b)
+        ]
+        if pairs and not scaler_used:
+            region, back = pairs[0]
             self.hit(
                 "MP108",
-                place(fp16[0], plain[0]),
+                place(region, back),
                 f"float16 autocast with no GradScaler: backward() on line "
-                f"{(plain[0].site or plain[0].node).lineno} runs on an unscaled loss{_via(fp16[0])}",
+                f"{(back.site or back.node).lineno} runs on an unscaled loss{_via(region)}",
             )
 
     def step_on_unscaled(self) -> None:  # MP112
@@ -237,7 +245,8 @@ def _method_calls(script: Script, method: str) -> list[tuple[str, ast.Call]]:
 def _update_never_called(script: Script) -> list[Hit]:  # MP104 (the whole-file half)
     """A scaler that is stepped but never updated anywhere in the file, and never handed to
     code that might update it (compared by last name: ``self.scaler`` and ``trainer.scaler``
-    may be one object)."""
+    may be one object). A scaler the stepping function receives as a parameter belongs to
+    its caller, which may update it after the call (a runner calling ``train_step``)."""
     updated = {last(k) for k, _ in _method_calls(script, "update") if script.is_scaler(k)}
     passed = set()
     for call in script.calls:
@@ -252,8 +261,22 @@ def _update_never_called(script: Script) -> list[Hit]:  # MP104 (the whole-file 
             continue
         if name in updated or name in passed or ("self" in passed and k.startswith("self.")):
             continue
+        if _received(script, call, k):
+            continue
         hits.append(Hit("MP104", call, f"{k}.step() but {k}.update() is never called"))
     return hits
+
+
+def _received(script: Script, node: ast.AST, k: str) -> bool:
+    """Whether ``k`` is (an attribute of) a parameter of the function around ``node``, other
+    than ``self``/``cls``: an object the caller made and still holds."""
+    func = script.owner(node)
+    if func is None:
+        return False
+    root = k.split(".")[0]
+    a = func.args
+    params = {p.arg for p in (*a.posonlyargs, *a.args, *a.kwonlyargs)}
+    return root in params and root not in ("self", "cls")
 
 
 def _cast_16(script: Script, node: ast.AST) -> ast.Call | None:

@@ -46,6 +46,7 @@ class Branch:
     ends: str | None
     guard: bool
     frame: int
+    cond: tuple[str, bool] | None = None  # an ``if`` arm: (stable test, whether it holds here)
 
 
 @dataclass(frozen=True)
@@ -125,6 +126,15 @@ def exclusive(a: Event, b: Event) -> bool:
     return False
 
 
+def opposite_arms(a: Event, b: Event) -> bool:
+    """True when ``a`` and ``b`` sit in arms of ``if`` statements whose (stable) tests disagree:
+    ``if amp: <a>`` and, later, ``if amp: ... else: <b>`` never run in one pass."""
+    conds = {(p.frame, p.cond) for p in a.path if isinstance(p, Branch) and p.cond is not None}
+    return any(
+        (p.frame, (p.cond[0], not p.cond[1])) in conds for p in b.path if isinstance(p, Branch) and p.cond is not None
+    )
+
+
 class Flow:
     """Builds the events of each function in a file."""
 
@@ -173,8 +183,10 @@ class Flow:
         elif isinstance(stmt, ast.If):
             self._expr(stmt.test, frame, ctx, path)
             guard = self._is_guard(stmt.test)
+            cond = self.script.condition(stmt.test)
             for arm, body in enumerate((stmt.body, stmt.orelse)):
-                self._block(body, frame, ctx, path + (Branch(id(stmt), arm, _ends(body), guard, frame.id),))
+                holds = None if cond is None else (cond[0], cond[1] == (arm == 0))
+                self._block(body, frame, ctx, path + (Branch(id(stmt), arm, _ends(body), guard, frame.id, holds),))
         elif isinstance(stmt, (ast.For, ast.AsyncFor, ast.While)):
             targets: frozenset[str] = frozenset()
             if isinstance(stmt, ast.While):

@@ -113,6 +113,12 @@ class Script:
         self.calls: list[ast.Call] = []
         self._classdefs: list[ast.ClassDef] = []
         self._collect()
+        self._stores: dict[str, int] = {}  # key -> how many times the file binds or deletes it
+        for node in self.nodes:
+            if isinstance(node, (ast.Name, ast.Attribute)) and isinstance(node.ctx, (ast.Store, ast.Del)):
+                k = key_of(node)
+                if k is not None:
+                    self._stores[k] = self._stores.get(k, 0) + 1
         self.scaler_enabled_by_key = self._scaler_constructions()
         self.scaler_keys = set(self.scaler_enabled_by_key) | self._inferred_scalers()
         self.optimizer_keys = self._optimizers()
@@ -269,6 +275,31 @@ class Script:
             dtype = self.dtype(dtype_arg)
         enabled = self.constant(argument(node, params.index("enabled"), "enabled"), True)
         return Autocast(node, dtype, enabled if isinstance(enabled, bool) else None)
+
+    def condition(self, test: ast.expr) -> tuple[str, bool] | None:
+        """(key, polarity) for an ``if`` test that reads the same value wherever it appears:
+        names and attributes the file binds at most once, constants, comparisons and
+        and/or/not; ``not x`` and ``x is not None`` give the key of ``x`` / ``x is None`` with
+        the opposite polarity. None for anything else (a call, a subscript, a name rebound)."""
+        positive = True
+        while isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+            test, positive = test.operand, not positive
+        if isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], (ast.IsNot, ast.NotEq)):
+            op = ast.Is() if isinstance(test.ops[0], ast.IsNot) else ast.Eq()
+            test, positive = ast.Compare(left=test.left, ops=[op], comparators=test.comparators), not positive
+        for node in ast.walk(test):
+            if isinstance(node, (ast.Name, ast.Attribute)):
+                k = key_of(node)
+                if k is None:
+                    return None
+                parts = k.split(".")
+                if any(self._stores.get(".".join(parts[:i]), 0) > 1 for i in range(1, len(parts) + 1)):
+                    return None
+            elif not isinstance(
+                node, (ast.Constant, ast.Compare, ast.BoolOp, ast.UnaryOp, ast.expr_context, ast.boolop, ast.cmpop, ast.unaryop)
+            ):
+                return None
+        return ast.dump(test), positive
 
     def is_optimizer_class(self, func: ast.AST) -> bool:
         q = self.qualname(func) or ""
