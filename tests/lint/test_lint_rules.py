@@ -506,3 +506,61 @@ def test_fp16_branch_and_plain_backward_on_different_conditions_are_still_report
                 opt.step()
     """
     assert codes(source, "MP108") == [(7, "MP108")]
+
+
+NO_GRAD_EVAL = """
+import torch
+
+{decorator}
+def train_then_evaluate(model, opt, loader, val_loader):
+    for x, y in loader:
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    {context}
+        for x, y in val_loader:
+            with torch.autocast("cuda", dtype=torch.float16):
+                val = model(x)
+"""
+
+
+@pytest.mark.parametrize("context, flagged", [
+    ("with torch.no_grad():", False),
+    ("with torch.inference_mode():", False),
+    ("with torch.set_grad_enabled(False):", False),
+    ("with torch.enable_grad():", True),
+    ("with torch.set_grad_enabled(is_training):", True),  # decided at run time: no exemption
+    ("with torch.inference_mode(False):", True),
+    ("if True:", True),
+])
+def test_mp108_leaves_out_an_fp16_region_that_runs_without_gradients(context, flagged):
+    # training in fp32 and evaluating under fp16 autocast: the evaluation feeds no backward()
+    source = NO_GRAD_EVAL.format(decorator="", context=context)
+    assert codes(source, "MP108") == ([(13, "MP108")] if flagged else [])
+
+
+def test_mp108_no_grad_exemption_covers_decorated_helpers_and_one_line_contexts():
+    source = """
+    import torch
+
+    @torch.no_grad()
+    def evaluate(model, batch):
+        with torch.autocast("cuda", dtype=torch.float16):
+            return model(batch)
+
+    def train(model, opt, loader, val):
+        for x, y in loader:
+            loss = model(x).sum()
+            loss.backward()
+            opt.step()
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.float16):
+            model(val)
+        return evaluate(model, val)
+    """
+    assert codes(source, "MP108") == []
+    # an enable_grad inside the no_grad block turns gradients back on: reported again
+    inner = source.replace("        with torch.no_grad(), torch.autocast(\"cuda\", dtype=torch.float16):\n            model(val)",
+                           "        with torch.no_grad():\n            with torch.enable_grad():\n"
+                           "                with torch.autocast(\"cuda\", dtype=torch.float16):\n                    model(val)")
+    assert inner != source and codes(inner, "MP108") == [(16, "MP108")]

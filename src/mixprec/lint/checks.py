@@ -187,7 +187,8 @@ class FunctionChecks:
                         f"GradScaler {back.scaler} used with bf16 autocast, which needs no loss scaling{_via(back)}",
                     )
                     break
-        fp16 = [e for e in regions if e.ctx[-1].autocast.dtype == "fp16"]
+        # a region run without gradients (an evaluation under torch.no_grad()) feeds no backward()
+        fp16 = [e for e in regions if e.ctx[-1].autocast.dtype == "fp16" and not self._without_grad(e)]
         plain = [b for b in backs if b.loss == "plain" or (b.loss == "scaled" and not self.live(b.scaler))]
         scaler_used = scaled or any(e.kind in ("scaler_step", "unscale", "update", "escape") for e in self.events)
         # a region and a backward() that cannot run in one pass (``if amp:`` ... ``else:``) are no pair
@@ -205,6 +206,10 @@ class FunctionChecks:
                 f"float16 autocast with no GradScaler: backward() on line "
                 f"{(back.site or back.node).lineno} runs on an unscaled loss{_via(region)}",
             )
+
+    def _without_grad(self, e: Event) -> bool:
+        """The event, or the call in the analysed function that led to it, runs with grads off."""
+        return self.script.without_grad(e.node) or (e.site is not None and self.script.without_grad(e.site))
 
     def step_on_unscaled(self) -> None:  # MP112
         for step in self.of("scaler_step"):

@@ -119,6 +119,7 @@ class Script:
                 k = key_of(node)
                 if k is not None:
                     self._stores[k] = self._stores.get(k, 0) + 1
+        self._grad_modes = self._grad_mode_ranges()
         self.scaler_enabled_by_key = self._scaler_constructions()
         self.scaler_keys = set(self.scaler_enabled_by_key) | self._inferred_scalers()
         self.optimizer_keys = self._optimizers()
@@ -321,6 +322,54 @@ class Script:
     def scaler_enabled(self, k: str | None) -> bool | None:
         """True/False when every construction of ``k`` says so literally; None otherwise."""
         return self.scaler_enabled_by_key.get(k) if k else None
+
+    def _grad_mode(self, expr: ast.AST) -> bool | None:
+        """False for ``torch.no_grad()``, ``torch.inference_mode()`` (or ``(True)``) and
+        ``torch.set_grad_enabled(False)``; True for ``torch.enable_grad()`` and
+        ``set_grad_enabled(True)``; None for anything else (a mode read at run time included)."""
+        call = expr if isinstance(expr, ast.Call) else None
+        q = self.qualname(call.func if call is not None else expr) or ""
+        q = q.replace("torch.autograd.grad_mode.", "torch.").replace("torch.autograd.", "torch.")
+        arg = None
+        if call is not None and (call.args or call.keywords):
+            arg = self.constant(call.args[0] if call.args else call.keywords[0].value, None)
+        if q == "torch.no_grad":
+            return False
+        if q == "torch.enable_grad":
+            return True
+        if q == "torch.inference_mode":
+            return False if (call is None or not (call.args or call.keywords) or arg is True) else None
+        if q == "torch.set_grad_enabled" and call is not None and isinstance(arg, bool):
+            return arg
+        return None
+
+    def _grad_mode_ranges(self) -> list[tuple[int, int, bool]]:
+        """(first line, last line, grad enabled) of every ``with`` body and decorated function
+        that sets the grad mode, innermost last when sorted by first line."""
+        ranges = []
+        for node in self.nodes:
+            if isinstance(node, (ast.With, ast.AsyncWith)) and node.body:
+                for item in node.items:
+                    mode = self._grad_mode(item.context_expr)
+                    if mode is not None:  # from the with line: ``with torch.no_grad(), autocast(...)``
+                        ranges.append((node.lineno, node.end_lineno, mode))
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for dec in node.decorator_list:
+                    mode = self._grad_mode(dec)
+                    if mode is not None:
+                        ranges.append((node.body[0].lineno, node.end_lineno, mode))
+        return sorted(ranges)
+
+    def without_grad(self, node: ast.AST) -> bool:
+        """Whether ``node`` runs with gradients off for certain: inside ``with torch.no_grad():``
+        (or ``inference_mode``, ``set_grad_enabled(False)``) or a function decorated with one,
+        and no ``enable_grad`` closer in."""
+        line = getattr(node, "lineno", None)
+        mode = None
+        for first, last_line, enabled in self._grad_modes:
+            if line is not None and first <= line <= last_line:
+                mode = enabled  # sorted by first line: the last match is the innermost
+        return mode is False
 
     def owner(self, node: ast.AST, kinds=(ast.FunctionDef, ast.AsyncFunctionDef)) -> ast.AST | None:
         """The innermost definition of ``kinds`` whose lines contain ``node``; None at module level."""
