@@ -65,6 +65,7 @@ class FunctionChecks:
             self.step_bypasses_scaler,
             self.update_outside_loop,
             self.update_twice,
+            self.step_twice,
             self.precision_and_scaler,
             self.step_on_unscaled,
         ):
@@ -172,6 +173,30 @@ class FunctionChecks:
                         f"not once per step{_via(update)}",
                     )
                     break
+
+    def step_twice(self) -> None:  # MP113
+        """``scaler.step(opt)`` and ``opt.step()`` on one optimizer in one pass, with no backward()
+        between them that could run in that pass: the second applies the same gradients again."""
+        backs = self.of("backward")
+        reported: set[int] = set()
+        for via_scaler in self.of("scaler_step"):
+            for direct in self.of("opt_step"):
+                if direct.target != via_scaler.target or direct.loops != via_scaler.loops:
+                    continue
+                a, b = sorted((via_scaler, direct), key=lambda e: e.order)
+                if exclusive(a, b) or opposite_arms(a, b) or id(direct.node) in reported:
+                    continue
+                if any(a.order < k.order < b.order and not exclusive(a, k) and not exclusive(k, b)
+                       and not opposite_arms(a, k) and not opposite_arms(k, b) for k in backs):
+                    continue  # a new backward() in between: two steps for two gradients
+                reported.add(id(direct.node))
+                self.hit(
+                    "MP113",
+                    place(direct, via_scaler),
+                    f"{direct.target} is stepped twice in one pass: {via_scaler.scaler}.step({via_scaler.target}) "
+                    f"on line {(via_scaler.site or via_scaler.node).lineno} already called {direct.target}.step()"
+                    f"{_via(direct)}",
+                )
 
     def precision_and_scaler(self) -> None:  # MP107, MP108
         regions = [e for e in self.of("autocast") if e.ctx[-1].autocast.enabled is not False]

@@ -120,6 +120,16 @@ RULES: dict[str, Rule] = {
             "Call scaler.scale(loss).backward() instead of loss.backward().",
         ),
         Rule(
+            "MP113",
+            "optimizer-stepped-twice",
+            "scaler.step(optimizer) already calls optimizer.step() (unless it skips the step); a "
+            "second optimizer.step() in the same pass applies the same gradients again (two updates "
+            "per batch), and on a step the scaler skipped for inf/NaN gradients it applies them "
+            "anyway, writing inf/NaN into the weights.",
+            "Step once: scaler.step(optimizer) when loss scaling is on, optimizer.step() in the "
+            "other branch only (if amp: ... else: optimizer.step()).",
+        ),
+        Rule(
             "MP201",
             "deprecated-amp-api",
             "torch.cuda.amp.* and torch.cpu.amp.* are deprecated (FutureWarning since torch 2.4) "
