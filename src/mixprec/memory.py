@@ -21,8 +21,8 @@ When each component is alive (what ``peak`` assumes):
   (backward frees activations as gradients arrive); other transients of backward are left out:
   measured CPU peaks of the built-in model are 0.86-1.02 of the plan (tests/memory).
 - optimizer step: 16-bit storage recipes turn 16-bit gradients into fp32 master gradients there
-  (freeing the 16-bit ones); without a loss scaler they do it one bucket at a time, in the
-  bucket's turn (the 16-bit ones wait on the model; with the per-parameter optimizers planned
+  (freeing the 16-bit ones), one bucket at a time, in the bucket's turn (the 16-bit ones wait
+  on the model, where a loss scaler checks them; with the per-parameter optimizers planned
   here). The compact strategies (Kahan, SR, remainder) also rebuild an fp32 value for the weights
   of one bucket at a time; plus the temporaries of one bucket of the master-weight step
   (``StorageFacts.step_temp_bytes``). Optimizer temporaries are not counted: fused and
@@ -69,8 +69,9 @@ class StorageFacts:
         step_value_bytes: fp32 bytes per 16-bit parameter of one bucket rebuilt for the step by
             strategies that keep no fp32 copy (4; 0 for fp32 masters).
         defers_grads: the step keeps the 16-bit gradients until each bucket's turn and makes
-            fp32 gradients one bucket at a time (16-bit storage without a loss scaler, planned for
-            ``accumulate=1``: accumulation keeps fp32 gradients for the whole model).
+            fp32 gradients one bucket at a time (16-bit storage, a loss scaler or not: it checks
+            them where they wait; planned for ``accumulate=1``: accumulation keeps fp32 gradients
+            for the whole model).
         autocast: the forward casts fp32 weights to the compute dtype (mixed recipes).
         norm_bytes: bytes per element of the residual stream and norm inputs (fp32 under mixprec's
             recipes: embeddings and norms stay fp32, so the residual sum stays fp32).
@@ -310,7 +311,7 @@ def facts_from_recipe(recipe: Any, device_type: str = "cpu") -> StorageFacts:
         master_bytes=strategy.extra_bytes if strategy else 0,
         step_bytes=strategy.step_bytes if strategy else 0,
         step_value_bytes=strategy.value_bytes if strategy else 0,
-        defers_grads=bool(strategy and recipe.loss_scaling == "none"),
+        defers_grads=bool(strategy),  # a loss scaler checks the 16-bit gradients where they wait
         step_temp_bytes=strategy.temp_bytes if strategy else 0,
         bucket_numel=BUCKET_NUMEL if strategy else 0,
         autocast=bool(recipe.autocast),

@@ -224,7 +224,7 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"  note: {note}")
     console.print("  peak = persistent + max(forward/backward: gradients (+ accumulators) + autocast copies + activations "
                   "+ the logits' gradient, "
-                  "optimizer step: fp32 gradients (16-bit storage without a loss scaler: 16-bit gradients "
+                  "optimizer step: fp32 gradients (16-bit storage: 16-bit gradients "
                   "and one bucket of fp32 ones) and one bucket of rebuilt fp32 values)")
     if args.measure and args.device.startswith("cpu"):
         console.print("  measured on CPU: tensor storages, the peak too (counted through the dispatcher, no allocator "

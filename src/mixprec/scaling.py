@@ -265,6 +265,14 @@ class GradScaler(torch.amp.GradScaler):
                     )
         return found_per_device
 
+    def _inv_scale(self) -> torch.Tensor:
+        assert self._scale is not None
+        # The reciprocal in float64 then float32, as torch does: fp32 division is not exact under
+        # some compile options, and scales are powers of two in the common case anyway.
+        if self._scale.device.type == "mps":
+            return self._scale.reciprocal()
+        return self._scale.double().reciprocal().float()
+
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide the optimizer's gradients by the scale, in place, and check them for inf/NaN.
 
@@ -278,16 +286,35 @@ class GradScaler(torch.amp.GradScaler):
             raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
         if state["stage"] is _Stage.STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
-        assert self._scale is not None
-        # The reciprocal in float64 then float32, as torch does: fp32 division is not exact under
-        # some compile options, and scales are powers of two in the common case anyway.
-        if self._scale.device.type == "mps":
-            inv_scale = self._scale.reciprocal()
-        else:
-            inv_scale = self._scale.double().reciprocal().float()
+        inv_scale = self._inv_scale()
         found_inf = torch.full((), 0.0, dtype=torch.float32, device=self._scale.device)
         state["found_inf_per_device"] = self._unscale_grads_(optimizer, inv_scale, found_inf, self._allow_fp16_grads)
         state["stage"] = _Stage.UNSCALED
+
+    def unscale_deferred_(self, optimizer: torch.optim.Optimizer, pending: list[torch.Tensor]) -> torch.Tensor | None:
+        """``unscale_`` for an optimizer some of whose gradients wait elsewhere until its step
+        (16-bit storage: they are folded onto the fp32 masters a bucket at a time). The gradients
+        the optimizer's parameters hold are unscaled in place as ``unscale_`` does; the ``pending``
+        ones are only checked for inf/NaN (multiplied by 1, exactly), and the caller multiplies
+        them by the returned inverse scale when it makes them fp32: the same products, so the
+        same numbers. Returns None when the scaler is disabled.
+        """
+        if not self._enabled:
+            return None
+        self.unscale_(optimizer)
+        state = self._per_optimizer_states[id(optimizer)]
+        found = state["found_inf_per_device"]
+        grouped: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = defaultdict(lambda: defaultdict(list))
+        for g in pending:
+            grouped[g.device][g.dtype].append(g)
+        with torch.no_grad():
+            for device, per_dtype in grouped.items():
+                if device not in found:
+                    found[device] = torch.full((), 0.0, dtype=torch.float32, device=device)
+                one = torch.ones((), dtype=torch.float32, device=device)
+                for grads in per_dtype.values():
+                    torch._amp_foreach_non_finite_check_and_unscale_(grads, found[device], one)
+        return self._inv_scale()
 
     def share_skip_decision(self, optimizers: list[torch.optim.Optimizer]) -> None:
         """Make several optimizers skip together: if any one's gradients hold inf/NaN, all skip.

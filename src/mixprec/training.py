@@ -337,18 +337,22 @@ class MixedPrecision:
         self._loss_sum = detached if self._loss_sum is None else self._loss_sum + detached
         self._micro += 1
         if self.masters is not None:  # 16-bit grads -> fp32 master grads; at the boundary, fp32 values
-            # without a loss scaler nothing reads the gradients before the step but the clip: a
-            # bucketed step may then keep them 16-bit until each bucket's turn
+            # nothing reads the gradients before the step but the scaler's inf check and the clip,
+            # which can read them 16-bit: a bucketed step may keep them so until each bucket's turn
             self.masters.after_backward(opts, boundary=self._micro >= self.accumulate,
-                                        defer=not self.scaler.is_enabled())
+                                        defer=self._scaler_defers())
         one, false = self._constants()
         if self._micro < self.accumulate:
             scale = self.scaler.scale_tensor
             return StepStats(loss32.detach(), None, one if scale is None else scale, false, False, self._steps)
 
         window_loss, self._loss_sum, self._micro = self._loss_sum, None, 0
-        for opt in opts:
-            self.scaler.unscale_(opt)  # before clipping: clip the true gradients, not scaled ones
+        for opt in opts:  # before clipping: clip the true gradients, not scaled ones
+            if self.masters is not None and self.masters.deferred and self.scaler.is_enabled():
+                # 16-bit gradients waiting for their bucket: checked now, unscaled when made fp32
+                self.masters.set_grad_unscale(self.scaler.unscale_deferred_(opt, self.masters.pending_grads(opt)))
+            else:
+                self.scaler.unscale_(opt)
         self.scaler.share_skip_decision(opts)  # one overflow anywhere skips every optimizer
         grad_norm = self._clip_or_measure(opts, parameters, max_grad_norm, norm_type)
         # a 16-bit storage recipe may step (and write back) its masters a bucket at a time
@@ -367,6 +371,12 @@ class MixedPrecision:
         scale = self.scaler.last_scale if self.scaler.is_enabled() else one
         skipped = self.scaler.last_skipped if self.scaler.is_enabled() else false
         return StepStats(window_loss, grad_norm, scale, skipped, True, self._steps)
+
+    def _scaler_defers(self) -> bool:
+        """Whether the scaler can check 16-bit gradients that wait for their bucket (``unscale_deferred_``):
+        off, or mixprec's own scaler with torch's unscale (a subclass that changes it reads every gradient)."""
+        unscale = getattr(type(self.scaler), "unscale_", None)
+        return not self.scaler.is_enabled() or (unscale is GradScaler.unscale_ and hasattr(self.scaler, "unscale_deferred_"))
 
     def _clip_or_measure(
         self,

@@ -691,7 +691,8 @@ def test_stochastic_rounding_across_a_skipped_step(monkeypatch):
         out = _gpt_loss(model, mp, step)
         return out * float("inf") if step == 1 else out
 
-    _assert_modes_agree(monkeypatch, ("whole", "deferred"), deferred=False, recipe="bf16-true-sr", loss=loss,
+    # the skip decision's scaler checks the 16-bit gradients where they wait: they stay deferred
+    _assert_modes_agree(monkeypatch, ("whole", "deferred"), deferred=True, recipe="bf16-true-sr", loss=loss,
                         mp_kwargs={"skip_nonfinite": True})
 
 
@@ -730,3 +731,85 @@ def test_an_instance_step_wrapper_of_the_user_runs_once_per_bucket(monkeypatch):
     run = _run(monkeypatch, "deferred", optimizer=optimizer, steps=1)
     assert wrapped == run["calls"] and len(wrapped) == run["buckets"]
     assert run["opt"].step.__name__ == "step"  # the user's wrapper is back
+
+
+# ---------------------------------------------------------------------------- a loss scaler with deferred gradients
+# fp16-true (dynamic loss scaling) and skip_nonfinite keep the 16-bit gradients on the model too:
+# the scaler checks them there for inf/NaN and they are unscaled (then clipped) when folded.
+
+def _poisoned(step_to_poison: int):
+    def loss(model, mp, step):
+        out = _gpt_loss(model, mp, step)
+        return out * float("inf") if step == step_to_poison else out
+    return loss
+
+
+@pytest.mark.parametrize("feature", ["adamw-single", "adamw-amsgrad-fused", "sgd-dampening", "sgd-plain-fused",
+                                     "rmsprop-centered"])
+def test_fp16_true_with_its_loss_scaler_steps_deferred_bitwise(feature, monkeypatch):
+    # three groups (one of only fp32-kept parameters), clipping that acts, an overflow (skipped) step
+    # (fp32 masters rebuild nothing: without deferred gradients their step is whole, so no "folded" mode)
+    runs = _assert_modes_agree(monkeypatch, ("whole", "deferred"), recipe="fp16-true",
+                               optimizer=_by_name(_three_groups, FEATURES[feature]),
+                               loss=_poisoned(1), steps=4, max_grad_norm=0.05)
+    norms = runs["deferred"]["norms"]
+    assert not torch.isfinite(norms[1]) and all(float(norms[i]) > 0.05 for i in (0, 2, 3))  # skipped; clipped
+    assert runs["deferred"]["mp"].scaler.skipped_steps == 1
+
+
+def test_fp16_true_deferred_matches_fp16_mixed_with_clipping_and_a_skip(monkeypatch):
+    # the scaled 16-bit gradient's norm times the inverse scale is the unscaled fp32 norm (a power of two)
+    with _mode(monkeypatch, "deferred", bucket_numel=300):
+        out = {}
+        for recipe in ("fp16-mixed", "fp16-true"):
+            mp = MixedPrecision(recipe, "cpu")
+            m = mp.prepare(tiny_gpt())
+            opt = _adamw(mp, m)
+            stats = [mp.step(_poisoned(2)(m, mp, step), opt, max_grad_norm=0.05) for step in range(4)]
+            masters = mp.masters.masters() if mp.masters else {}
+            out[recipe] = ([(float(s.loss), float(s.scale), float(s.grad_norm)) for s in stats[:2] + stats[3:]],
+                           {n: masters.get(n, p) for n, p in m.named_parameters()})
+            if mp.masters:
+                assert len(mp.masters.buckets) > 1
+        assert out["fp16-mixed"][0] == out["fp16-true"][0]
+        assert_bitwise_equal(out["fp16-mixed"][1], out["fp16-true"][1], "fp16-mixed vs fp16-true")
+
+
+def test_a_scaler_that_changes_unscale_reads_every_gradient_so_nothing_is_deferred(monkeypatch):
+    from mixprec.scaling import GradScaler
+
+    class Logging(GradScaler):
+        def unscale_(self, optimizer):
+            self.seen = sum(p.grad is not None for g in optimizer.param_groups for p in g["params"])
+            return super().unscale_(optimizer)
+
+    runs = {}
+    for kind in ("plain", "logging"):
+        scaler = GradScaler("cpu") if kind == "plain" else Logging("cpu")
+        runs[kind] = _run(monkeypatch, "deferred", recipe="fp16-true", mp_kwargs={"scaler": scaler}, steps=2)
+    assert runs["plain"]["flags"] == {(True, True)} and runs["logging"]["flags"] == {(False, False)}  # whole
+    # it saw every master gradient (none waits on the model), and the training is the same
+    scaler = runs["logging"]["mp"].scaler
+    assert scaler.seen == sum(1 for g in runs["logging"]["opt"].param_groups for p in g["params"] if p.requires_grad)
+    assert_bitwise_equal(runs["plain"]["snap"]["model"], runs["logging"]["snap"]["model"], "plain vs logging")
+
+
+def test_the_deferred_inf_check_leaves_the_16bit_gradients_as_they_were():
+    from mixprec.scaling import GradScaler
+
+    scaler = GradScaler("cpu", init_scale=2.0**8)
+    scaler.scale(torch.ones(()))  # the scale exists from the first scale() on
+    p = nn.Parameter(torch.zeros(4))
+    opt = torch.optim.SGD([p], lr=0.1)
+    p.grad = torch.zeros(4)
+    g16 = torch.tensor([6e-8, -65504.0, 1.5, -0.0], dtype=torch.float16)  # subnormal, max, a value, -0
+    before = g16.clone()
+    inv = scaler.unscale_deferred_(opt, [g16])
+    assert torch.equal(g16.view(torch.int16), before.view(torch.int16))
+    assert float(inv) == 2.0**-8
+    found = scaler._per_optimizer_states[id(opt)]["found_inf_per_device"]
+    assert float(sum(found.values())) == 0.0
+    opt2 = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
+    scaler.update()
+    scaler.unscale_deferred_(opt2, [torch.tensor([1.0, float("inf")], dtype=torch.float16)])
+    assert float(sum(scaler._per_optimizer_states[id(opt2)]["found_inf_per_device"].values())) == 1.0

@@ -217,11 +217,12 @@ def test_clipping_a_subset_of_parameters_with_deferred_gradients(monkeypatch):
     assert_bitwise_equal(run(False), run(True))
 
 
-def test_no_deferral_with_a_loss_scaler_or_accumulation(monkeypatch):
+def test_deferral_with_a_loss_scaler_but_not_with_accumulation(monkeypatch):
+    # a loss scaler checks the 16-bit gradients where they wait; accumulation makes fp32 ones
     monkeypatch.setattr("mixprec.masters.strategy.BUCKET_NUMEL", 300)
-    for kwargs in ({"skip_nonfinite": True}, {"accumulate": 2}):
+    for kwargs, deferred in (({"skip_nonfinite": True}, True), ({"accumulate": 2}, False)):
         model, mp, opt = setup("bf16-true-sr", **kwargs)
         seen = []
         opt.register_step_pre_hook(lambda o, a, k: seen.append((mp.masters.in_buckets, mp.masters.deferred)))
         train(model, mp, opt, range(2))
-        assert seen and set(seen) == {(True, False)}, kwargs
+        assert seen and set(seen) == {(True, deferred)}, kwargs

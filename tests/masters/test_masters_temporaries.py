@@ -40,16 +40,12 @@ def test_declared_step_temporaries_match_what_the_step_allocates(recipe, monkeyp
         loss = model(torch.randn(4, 128)).float().pow(2).mean()
     mp.step(loss, opt)
     strategy = STRATEGIES[mp.recipe.master]
-    bucketed = mp.recipe.loss_scaling == "none"
-    # without a loss scaler the step runs one bucket at a time (fp16-true's scaler: whole)
-    assert len(peaks.get("_step_bucket", [])) == (4 if bucketed else 0), peaks
-    if bucketed:
-        # the 16-bit gradients wait on the model, nothing is made after backward; per bucket: its
-        # fp32 gradients and rebuilt values (none for fp32 masters), the temporaries, freed before the next
-        assert peaks["after_backward"] == [0.0] and mp.masters.deferred is False  # (reset by after_step)
-        measured_temp = [p - strategy.step_bytes - strategy.value_bytes for p in peaks["_step_bucket"]]
-    else:
-        # after backward: the fp32 gradients of all four buckets (step_bytes per element) are new
-        measured_temp = [peaks["after_backward"][0] - 4 * strategy.step_bytes]
+    # the step runs one bucket at a time, fp16-true's loss scaler included (it checks the 16-bit
+    # gradients where they wait)
+    assert len(peaks.get("_step_bucket", [])) == 4, peaks
+    # the 16-bit gradients wait on the model, nothing is made after backward; per bucket: its
+    # fp32 gradients and rebuilt values (none for fp32 masters), the temporaries, freed before the next
+    assert peaks["after_backward"] == [0.0] and mp.masters.deferred is False  # (reset by after_step)
+    measured_temp = [p - strategy.step_bytes - strategy.value_bytes for p in peaks["_step_bucket"]]
     measured_temp += peaks["after_step"]
     assert strategy.temp_bytes - 2 <= max(measured_temp) <= strategy.temp_bytes, peaks

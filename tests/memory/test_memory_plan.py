@@ -36,7 +36,7 @@ def test_seven_billion_params_with_adamw_need_56_gb_of_optimizer_state():
 # the compact strategies) and temporaries. fp16-true has a loss scaler: fp32 gradients for all.
 @pytest.mark.parametrize(
     "recipe, persistent, peak, large",
-    [("fp32", 12, 16, 16), ("bf16-mixed", 12, 18, 18), ("bf16-true", 14, 18, 16), ("fp16-true", 14, 18, 18),
+    [("fp32", 12, 16, 16), ("bf16-mixed", 12, 18, 18), ("bf16-true", 14, 18, 16), ("fp16-true", 14, 18, 16),
      ("bf16-true-kahan", 12, 20, 14), ("bf16-true-remainder", 12, 20, 14), ("bf16-true-sr", 10, 18, 12),
      ("bf16-pure", 10, 18, 12)],
 )

@@ -17,9 +17,10 @@ How the pieces meet (the contract ``MixedPrecision`` relies on):
 The compact strategies step **one bucket at a time** when they can (``bucketed_step``, around
 the scaler's ``step`` call): a bucket's fp32 values are rebuilt, the optimizer steps only that
 bucket's masters, the result is written back to 16 bits and the bucket's fp32 values and gradients
-are freed before the next. Without a loss scaler (and with ``accumulate=1``) every strategy, fp32
-masters included, also leaves the 16-bit gradients on the model until their bucket's turn. The step then holds fp32 gradients for the model plus fp32 values for
-one bucket, not for the whole model (the planner's figure). That needs an optimizer for which
+are freed before the next. With ``accumulate=1`` every strategy, fp32 masters included, also
+leaves the 16-bit gradients on the model until their bucket's turn (a loss scaler checks them
+there: ``GradScaler.unscale_deferred_``). The step then holds the 16-bit gradients plus fp32
+gradients and values for one bucket, not fp32 for the whole model (the planner's figure). That needs an optimizer for which
 stepping parameters in parts is the same as stepping them at once (per-parameter updates:
 ``PER_PARAMETER_OPTIMIZERS``) and a single optimizer; otherwise every value is rebuilt at the
 boundary and the optimizer steps once (the same numbers, more memory).
@@ -239,6 +240,7 @@ class MasterWeights:
         self._optimizer_called = False  # set by a bucketed step's context on exit
         self._grad_coef: torch.Tensor | None = None  # the clip coefficient for deferred gradients
         self._clipped: set[int] = set()  # ... and the slots (ids) it applies to
+        self._grad_unscale: torch.Tensor | None = None  # a loss scaler's inverse scale for deferred gradients
 
     # ------------------------------------------------------------------ attach
 
@@ -328,8 +330,9 @@ class MasterWeights:
                        defer: bool = False) -> None:
         """Fold 16-bit gradients into fp32 proxy gradients; at a boundary, materialise the proxies.
 
-        With ``defer`` (the caller runs no loss scaler: nothing reads the gradients before the
-        step but the clip, which ``deferred_grad_norm_`` does from the 16-bit ones), a boundary
+        With ``defer`` (nothing reads the gradients before the step but the loss scaler's inf
+        check and the clip, which ``pending_grads``/``deferred_grad_norm_`` serve from the 16-bit
+        ones, unscaled by ``set_grad_unscale`` when the scaler has a scale), a boundary
         that starts a bucketed step with no fp32 gradient accumulated yet folds nothing: each
         bucket's gradients become fp32 in its own step, so the step never holds fp32 gradients
         for the whole model.
@@ -344,7 +347,7 @@ class MasterWeights:
             )
             # fp32 masters rebuild nothing: stepping them in parts pays only for deferred gradients
             self.in_buckets = in_parts and (self.value_bytes > 0 or self.deferred)
-            self._grad_coef, self._clipped = None, set()
+            self._grad_coef, self._clipped, self._grad_unscale = None, set(), None
             if self.deferred:
                 self.stepping = True
                 return
@@ -358,10 +361,11 @@ class MasterWeights:
                 self.stepping = True
 
     def _fold_grads(self, slots: Sequence[_Slot], coef: torch.Tensor | None = None,
-                    clipped: set[int] | frozenset[int] = frozenset()) -> None:
-        """Move the 16-bit gradients of ``slots`` (one bucket's) into fp32 proxy gradients, those
-        of the slots in ``clipped`` (ids) times ``coef`` (a clip coefficient); accumulation across
-        micro-steps adds in fp32."""
+                    clipped: set[int] | frozenset[int] = frozenset(), unscale: torch.Tensor | None = None) -> None:
+        """Move the 16-bit gradients of ``slots`` (one bucket's) into fp32 proxy gradients, times
+        ``unscale`` (a loss scaler's inverse scale) and then, those of the slots in ``clipped``
+        (ids), times ``coef`` (a clip coefficient): the products the scaler's unscale and the clip
+        make on fp32 gradients, in their order. Accumulation across micro-steps adds in fp32."""
         fresh, dense_fresh, accum = [], [], []
         for s in slots:
             g = s.param.grad
@@ -376,6 +380,8 @@ class MasterWeights:
         if dense_fresh:
             # one flat fp32 gradient per bucket; each proxy's .grad is a view of it
             flat = _flat([s.param.grad for s in dense_fresh]).to(torch.float32)
+            if unscale is not None:
+                flat.mul_(unscale)
             views = _views(flat, [s.param for s in dense_fresh])
             if coef is not None:
                 hit = [v for s, v in zip(dense_fresh, views) if id(s) in clipped]
@@ -403,7 +409,9 @@ class MasterWeights:
         ``params`` (proxies and other parameters) while their 16-bit gradients are deferred: each
         16-bit gradient's norm is computed in fp32 without a copy (on CPU bitwise the norm of its
         fp32 value: tested), combined as torch combines them; fp32 gradients are scaled now,
-        deferred ones when their bucket is folded (the same multiplication)."""
+        deferred ones when their bucket is folded (the same multiplication). Under a loss scaler
+        (``set_grad_unscale``) a deferred gradient's norm is its scaled norm times the inverse
+        scale: with a power-of-two scale, bitwise the norm of the unscaled fp32 gradient."""
         items: list[tuple[torch.Tensor, bool]] = []  # (gradient, still 16-bit on the model)
         deferred_slots: set[int] = set()
         for p in params:
@@ -416,13 +424,18 @@ class MasterWeights:
             return torch.tensor(0.0)
         norm_type = float(norm_type)
         first = items[0][0].device
-        by_device: dict[torch.device, list[torch.Tensor]] = {}
-        for g, _ in items:
-            by_device.setdefault(g.device, []).append(g)
+        by_device: dict[torch.device, list[tuple[torch.Tensor, bool]]] = {}
+        for g, is16 in items:
+            by_device.setdefault(g.device, []).append((g, is16))
         norms: list[torch.Tensor] = []
         with torch.no_grad():
-            for grads in by_device.values():
-                norms.extend(torch._foreach_norm(grads, norm_type, dtype=torch.float32))
+            for dev, group in by_device.items():
+                got = torch._foreach_norm([g for g, _ in group], norm_type, dtype=torch.float32)
+                if self._grad_unscale is not None:  # the deferred ones are still multiplied by the scale
+                    scaled = [n for n, (_, is16) in zip(got, group) if is16]
+                    if scaled:
+                        torch._foreach_mul_(scaled, self._grad_unscale.to(dev))
+                norms.extend(got)
             total = torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]), norm_type)
             if max_norm is not None:
                 coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
@@ -434,6 +447,23 @@ class MasterWeights:
                     torch._foreach_mul_(grads, coef.to(dev))
                 self._grad_coef, self._clipped = coef, deferred_slots
         return total
+
+    def pending_grads(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+        """The deferred 16-bit gradients of ``optimizer``'s proxies (waiting on the model)."""
+        if not self.deferred:
+            return []
+        out = []
+        for g in optimizer.param_groups:
+            for p in g["params"]:
+                slot = self._by_proxy.get(id(p)) if p.grad is None else None
+                if slot is not None and slot.param.grad is not None:
+                    out.append(slot.param.grad)
+        return out
+
+    def set_grad_unscale(self, inv_scale: torch.Tensor | None) -> None:
+        """A loss scaler's inverse scale: deferred gradients are multiplied by it when folded
+        (and their norms when measured), as ``unscale_`` multiplies fp32 gradients."""
+        self._grad_unscale = inv_scale
 
     def can_step_in_buckets(self, optimizers: Sequence[torch.optim.Optimizer]) -> bool:
         """Whether the coming step can run a bucket at a time (see the module docstring)."""
@@ -452,9 +482,10 @@ class MasterWeights:
         """Rebuild, step (the optimizer sees only ``groups``: this bucket's part of each param
         group), write back and free one bucket."""
         with torch.no_grad():
-            if self.deferred:  # this bucket's gradients become fp32 now (clipped, if asked)
+            if self.deferred:  # this bucket's gradients become fp32 now (unscaled and clipped, if asked)
                 coef = None if self._grad_coef is None else self._grad_coef.to(b.device)
-                self._fold_grads(b.slots, coef, self._clipped)
+                unscale = None if self._grad_unscale is None else self._grad_unscale.to(b.device)
+                self._fold_grads(b.slots, coef, self._clipped, unscale)
             self._materialize_bucket(b)
         with _showing_only(opt, groups):
             out = step(*args, **kwargs)
@@ -495,7 +526,7 @@ class MasterWeights:
                         s.param.grad = None
                 self._release_bucket(b)
         self.stepping = self.in_buckets = self.deferred = self._optimizer_called = False
-        self._grad_coef, self._clipped = None, set()
+        self._grad_coef, self._clipped, self._grad_unscale = None, set(), None
 
     def _stepped_values(self, b: _Bucket) -> torch.Tensor:
         """The bucket's fp32 values after the optimizer step, flat."""
