@@ -564,3 +564,20 @@ def test_mp108_no_grad_exemption_covers_decorated_helpers_and_one_line_contexts(
                            "        with torch.no_grad():\n            with torch.enable_grad():\n"
                            "                with torch.autocast(\"cuda\", dtype=torch.float16):\n                    model(val)")
     assert inner != source and codes(inner, "MP108") == [(16, "MP108")]
+
+
+def test_a_scaler_named_object_stepped_without_an_optimizer_is_not_a_grad_scaler():
+    # GradScaler.step takes the optimizer; ``self.lr_scaler.step()`` is a learning-rate schedule
+    source = """
+    class Trainer:
+        def __init__(self, model, opt, sched):
+            self.model, self.opt, self.lr_scaler = model, opt, sched
+
+        def train_step(self, x, y):
+            self.model(x, y).backward()
+            self.opt.step()
+            self.lr_scaler.step()
+    """
+    assert codes(source) == []
+    stepped = source.replace("self.lr_scaler.step()", "self.grad_scaler.step(self.opt)")
+    assert (9, "MP104") in codes(stepped)  # a scaler after all: stepped with an optimizer, never updated

@@ -184,7 +184,7 @@ class Script:
 
     def _inferred_scalers(self) -> set[str]:
         """Receivers used the way only a GradScaler is: ``x.unscale_(...)``,
-        ``x.scale(loss).backward()``, or a ``*scaler*`` name stepped/updated."""
+        ``x.scale(loss).backward()``, or a ``*scaler*`` name stepped (with an optimizer) or updated."""
         keys: set[str] = set()
         for call in self.calls:
             func = call.func
@@ -194,6 +194,8 @@ class Script:
             if func.attr == "unscale_" and k:
                 keys.add(k)
             elif func.attr in _SCALER_METHODS and k and "scaler" in last(k).lower():
+                if func.attr == "step" and not call.args:
+                    continue  # GradScaler.step takes the optimizer: ``lr_scaler.step()`` is a schedule
                 keys.add(k)
             elif func.attr == "backward":
                 keys.update(s for s in (scale_receiver(c) for c in _calls_in(func.value)) if s)
