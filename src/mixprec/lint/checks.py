@@ -395,22 +395,42 @@ def _checkpoint_without_scaler(script: Script) -> list[Hit]:  # MP111
         saved = call.args[0]
         if key_of(saved) in mutated:
             continue  # entries added later; cannot tell what ends up saved
-        if isinstance(saved, ast.Name):
-            saved = script.single_value(saved)
-        entries = _dict_entries(saved)
-        if entries is None:
-            continue
-        names = {k: str(k.value).lower() for k in entries if isinstance(k, ast.Constant)}
-        if any("scal" in name for name in names.values()):
-            continue
-        optimizer = [k for k, v in entries.items() if _is_state_dict(v) and script.is_optimizer(key_of(v.func.value))]
-        model = [k for k, v in entries.items() if k not in optimizer and (_is_state_dict(v) or "model" in names.get(k, ""))]
-        if not optimizer or not model:
+        values = _saved_values(script, saved, call)
+        if not values or not all(_lacks_scaler_state(script, v) for v in values):
             continue
         hits.append(
             Hit("MP111", call, f"checkpoint saves model and optimizer state but not {sorted(in_scope)[0]}.state_dict()")
         )
     return hits
+
+
+def _saved_values(script: Script, saved: ast.AST, call: ast.Call) -> list[ast.AST]:
+    """What ``torch.save(saved, ...)`` may save: the expression itself, or for a name, its one
+    value in the file, else every value assigned to it earlier in the function that saves (when
+    plain assignments are its only bindings there). Empty when that cannot be told."""
+    if not isinstance(saved, ast.Name):
+        return [saved]
+    single = script.single_value(saved)
+    if single is not None:
+        return [single]
+    values = script.assigns.get(saved.id, [])
+    if script.store_count(saved.id) != len(values):
+        return []  # also bound another way (a loop target, ``with ... as``, ``+=``)
+    owner = script.owner(call)
+    return [v for v in values if script.owner(v) is owner and v.lineno < call.lineno]
+
+
+def _lacks_scaler_state(script: Script, value: ast.AST) -> bool:
+    """A dict display with the model's and the optimizer's state and nothing named like a scaler."""
+    entries = _dict_entries(value)
+    if entries is None:
+        return False
+    names = {k: str(k.value).lower() for k in entries if isinstance(k, ast.Constant)}
+    if any("scal" in name for name in names.values()):
+        return False
+    optimizer = [k for k, v in entries.items() if _is_state_dict(v) and script.is_optimizer(key_of(v.func.value))]
+    model = [k for k, v in entries.items() if k not in optimizer and (_is_state_dict(v) or "model" in names.get(k, ""))]
+    return bool(optimizer and model)
 
 
 def _is_state_dict(node: ast.AST) -> bool:

@@ -325,6 +325,10 @@ class Script:
         """True/False when every construction of ``k`` says so literally; None otherwise."""
         return self.scaler_enabled_by_key.get(k) if k else None
 
+    def store_count(self, k: str) -> int:
+        """How many times the file binds (or deletes) ``k``: assignments, loop targets, ``as`` names..."""
+        return self._stores.get(k, 0)
+
     def _grad_mode(self, expr: ast.AST) -> bool | None:
         """False for ``torch.no_grad()``, ``torch.inference_mode()`` (or ``(True)``) and
         ``torch.set_grad_enabled(False)``; True for ``torch.enable_grad()`` and
