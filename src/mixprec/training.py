@@ -350,7 +350,8 @@ class MixedPrecision:
         for opt in opts:  # before clipping: clip the true gradients, not scaled ones
             if self.masters is not None and self.masters.deferred and self.scaler.is_enabled():
                 # 16-bit gradients waiting for their bucket: checked now, unscaled when made fp32
-                self.masters.set_grad_unscale(self.scaler.unscale_deferred_(opt, self.masters.pending_grads(opt)))
+                pending = self.masters.pending_grads(opt)
+                self.masters.set_grad_unscale(self.scaler.unscale_deferred_(opt, pending), pending)
             else:
                 self.scaler.unscale_(opt)
         self.scaler.share_skip_decision(opts)  # one overflow anywhere skips every optimizer

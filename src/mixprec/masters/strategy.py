@@ -142,10 +142,11 @@ class _StepInBuckets:
         if exc_type is not None and owner.deferred:
             # The step failed part-way: the buckets it did not reach still have their gradients on
             # the 16-bit model. Fold them onto the masters, where a whole step would have put them
-            # (so optimizer.zero_grad() clears them and the next backward does not add to them).
+            # (so optimizer.zero_grad() clears them and the next backward does not add to them),
+            # unscaled and clipped as a whole step would have left them.
             with torch.no_grad():
                 for b in owner.buckets:
-                    owner._fold_grads(b.slots)
+                    owner._fold_bucket_grads(b)
             owner.deferred = False
         owner._optimizer_called = self.called
 
@@ -241,6 +242,7 @@ class MasterWeights:
         self._grad_coef: torch.Tensor | None = None  # the clip coefficient for deferred gradients
         self._clipped: set[int] = set()  # ... and the slots (ids) it applies to
         self._grad_unscale: torch.Tensor | None = None  # a loss scaler's inverse scale for deferred gradients
+        self._unscaled: set[int] = set()  # ... and the 16-bit gradients (ids) the scaler checked: the optimizer's
 
     # ------------------------------------------------------------------ attach
 
@@ -347,7 +349,7 @@ class MasterWeights:
             )
             # fp32 masters rebuild nothing: stepping them in parts pays only for deferred gradients
             self.in_buckets = in_parts and (self.value_bytes > 0 or self.deferred)
-            self._grad_coef, self._clipped, self._grad_unscale = None, set(), None
+            self._grad_coef, self._clipped, self._grad_unscale, self._unscaled = None, set(), None, set()
             if self.deferred:
                 self.stepping = True
                 return
@@ -432,7 +434,8 @@ class MasterWeights:
             for dev, group in by_device.items():
                 got = torch._foreach_norm([g for g, _ in group], norm_type, dtype=torch.float32)
                 if self._grad_unscale is not None:  # the deferred ones are still multiplied by the scale
-                    scaled = [n for n, (_, is16) in zip(got, group) if is16]
+                    # (only the optimizer's: the scaler unscales no other gradient, fp32 or deferred)
+                    scaled = [n for n, (g, is16) in zip(got, group) if is16 and id(g) in self._unscaled]
                     if scaled:
                         torch._foreach_mul_(scaled, self._grad_unscale.to(dev))
                 norms.extend(got)
@@ -460,10 +463,12 @@ class MasterWeights:
                     out.append(slot.param.grad)
         return out
 
-    def set_grad_unscale(self, inv_scale: torch.Tensor | None) -> None:
+    def set_grad_unscale(self, inv_scale: torch.Tensor | None, pending: Sequence[torch.Tensor] = ()) -> None:
         """A loss scaler's inverse scale: deferred gradients are multiplied by it when folded
-        (and their norms when measured), as ``unscale_`` multiplies fp32 gradients."""
+        (and the norms of ``pending``, the optimizer's ones the scaler checked, when measured), as
+        ``unscale_`` multiplies the optimizer's fp32 gradients and no others."""
         self._grad_unscale = inv_scale
+        self._unscaled = {id(g) for g in pending}
 
     def can_step_in_buckets(self, optimizers: Sequence[torch.optim.Optimizer]) -> bool:
         """Whether the coming step can run a bucket at a time (see the module docstring)."""
@@ -483,9 +488,7 @@ class MasterWeights:
         group), write back and free one bucket."""
         with torch.no_grad():
             if self.deferred:  # this bucket's gradients become fp32 now (unscaled and clipped, if asked)
-                coef = None if self._grad_coef is None else self._grad_coef.to(b.device)
-                unscale = None if self._grad_unscale is None else self._grad_unscale.to(b.device)
-                self._fold_grads(b.slots, coef, self._clipped, unscale)
+                self._fold_bucket_grads(b)
             self._materialize_bucket(b)
         with _showing_only(opt, groups):
             out = step(*args, **kwargs)
@@ -495,6 +498,12 @@ class MasterWeights:
                 s.proxy.grad = None  # the bucket's fp32 gradients go now, not at zero_grad
             self._release_bucket(b)
         return out
+
+    def _fold_bucket_grads(self, b: _Bucket) -> None:
+        """Fold a bucket's deferred 16-bit gradients, unscaled and clipped as this step asks."""
+        coef = None if self._grad_coef is None else self._grad_coef.to(b.device)
+        unscale = None if self._grad_unscale is None else self._grad_unscale.to(b.device)
+        self._fold_grads(b.slots, coef, self._clipped, unscale)
 
     def _rewrite_bucket(self, b: _Bucket) -> None:
         """Write a bucket back unchanged: a no-op, except that stochastic rounding draws its random
@@ -526,7 +535,7 @@ class MasterWeights:
                         s.param.grad = None
                 self._release_bucket(b)
         self.stepping = self.in_buckets = self.deferred = self._optimizer_called = False
-        self._grad_coef, self._clipped, self._grad_unscale = None, set(), None
+        self._grad_coef, self._clipped, self._grad_unscale, self._unscaled = None, set(), None, set()
 
     def _stepped_values(self, b: _Bucket) -> torch.Tensor:
         """The bucket's fp32 values after the optimizer step, flat."""
