@@ -375,9 +375,13 @@ class MixedPrecision:
 
     def _scaler_defers(self) -> bool:
         """Whether the scaler can check 16-bit gradients that wait for their bucket (``unscale_deferred_``):
-        off, or mixprec's own scaler with torch's unscale (a subclass that changes it reads every gradient)."""
-        unscale = getattr(type(self.scaler), "unscale_", None)
-        return not self.scaler.is_enabled() or (unscale is GradScaler.unscale_ and hasattr(self.scaler, "unscale_deferred_"))
+        off, or mixprec's own scaler as it reads gradients (a subclass that replaces ``unscale_``,
+        ``_unscale_grads_`` or ``step`` may read every gradient: those get fp32 ones after backward)."""
+        if not self.scaler.is_enabled():
+            return True
+        cls = type(self.scaler)
+        return all(getattr(cls, name, None) is getattr(GradScaler, name)
+                   for name in ("unscale_", "_unscale_grads_", "step", "unscale_deferred_"))
 
     def _clip_or_measure(
         self,

@@ -813,3 +813,15 @@ def test_the_deferred_inf_check_leaves_the_16bit_gradients_as_they_were():
     scaler.update()
     scaler.unscale_deferred_(opt2, [torch.tensor([1.0, float("inf")], dtype=torch.float16)])
     assert float(sum(scaler._per_optimizer_states[id(opt2)]["found_inf_per_device"].values())) == 1.0
+
+
+@pytest.mark.parametrize("method", ["_unscale_grads_", "step"])
+def test_a_scaler_that_changes_how_it_reads_gradients_gets_them_fp32(method, monkeypatch):
+    from mixprec.scaling import GradScaler
+
+    def passthrough(self, *args, **kwargs):
+        return getattr(GradScaler, method)(self, *args, **kwargs)
+
+    custom = type("Custom", (GradScaler,), {method: passthrough})
+    run = _run(monkeypatch, "deferred", recipe="fp16-true", mp_kwargs={"scaler": custom("cpu")}, steps=2)
+    assert run["flags"] == {(False, False)}  # folded after backward: the whole step
