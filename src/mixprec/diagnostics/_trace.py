@@ -152,7 +152,9 @@ def _cached_op_name(func: Any) -> str:
     except TypeError:  # an unhashable callable
         return op_name(func)
     if name is None:
-        name = _OP_NAMES[func] = op_name(func)
+        name = op_name(func)
+        if len(_OP_NAMES) < 4096:  # bounded: a func bound to an object must not keep it alive forever
+            _OP_NAMES[func] = name
     return name
 
 
