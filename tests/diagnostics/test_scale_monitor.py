@@ -146,3 +146,21 @@ def test_monitor_leaves_the_scalers_state_and_decisions_unchanged():
 def test_monitor_needs_a_mixprec_scaler():
     with pytest.raises(TypeError, match="mixprec GradScaler"):
         ScaleMonitor(torch.amp.GradScaler("cpu"), nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("watch", ["model", "masters"])
+def test_fp16_true_overflow_is_attributed_whether_the_monitor_watches_the_model_or_its_masters(watch):
+    # fp16-true keeps the 16-bit gradients on the model until their bucket's step; on a skipped
+    # step (unfused optimizer) they are still there when update() runs
+    torch.manual_seed(0)
+    mp = mixprec.MixedPrecision("fp16-true", "cpu", fp32_params=(), scaler={"init_scale": 2.0**8})
+    model = mp.prepare(ThreeLayers())
+    opt = torch.optim.SGD(mp.parameters(model), lr=0.01)
+    watched = model if watch == "model" else list(mp.named_parameters(model))
+    with ScaleMonitor(mp.scaler, watched) as mon:
+        for blow in (False, True, False):
+            with mp.autocast():
+                loss = model(torch.ones(2, 4), blow).float().sum()
+            mp.step(loss, opt)
+    [o] = mon.overflows()
+    assert o.step == 1 and o.params == ("l1.weight", "l1.bias", "l2.weight", "l2.bias")

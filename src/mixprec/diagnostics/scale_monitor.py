@@ -145,6 +145,17 @@ class Overflow:
         return self.params[-1] if self.params else None
 
 
+def _grad(p: torch.Tensor) -> torch.Tensor | None:
+    """``p.grad``, or for an fp32 master of a 16-bit parameter (``mp.parameters(model)``) whose
+    gradient still waits on the model for its bucket (a skipped step), that 16-bit gradient."""
+    g = p.grad
+    if g is None:
+        role = getattr(p, "_mixprec_role", None)
+        if role is not None and role[0] == "proxy":
+            g = role[1].pending_grad(p)
+    return g
+
+
 class ScaleMonitor:
     """Watch a ``GradScaler``: diagnose its scale and attribute each overflow to parameters.
 
@@ -198,10 +209,11 @@ class ScaleMonitor:
 
     def _flags(self) -> tuple[torch.Tensor, list[int]] | None:
         """Device bool vector: parameter i's gradient held inf/NaN (no sync)."""
-        idx = [i for i, p in enumerate(self.params) if p.grad is not None]
+        grads = [_grad(p) for p in self.params]
+        idx = [i for i, g in enumerate(grads) if g is not None]
         if not idx:
             return None
-        norms = torch._foreach_norm([self.params[i].grad for i in idx], float("inf"))
+        norms = torch._foreach_norm([grads[i] for i in idx], float("inf"))
         dev = norms[0].device
         return ~torch.isfinite(torch.stack([n.to(dev, torch.float32) for n in norms])), idx
 
