@@ -70,6 +70,24 @@ def _fused_skip_unsafe(optimizer: torch.optim.Optimizer) -> bool:
     return any(g.get("fused") and g.get("momentum", 0) != 0 for g in optimizer.param_groups)
 
 
+def _check_and_unscale_(
+    grouped: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]],
+    found_per_device: dict[torch.device, torch.Tensor],
+    found_inf: torch.Tensor,
+    inv_scale: torch.Tensor,
+) -> None:
+    """Multiply each group of gradients by ``inv_scale`` and add to its device's entry of
+    ``found_per_device`` (made from ``found_inf`` where missing) when any value is inf/NaN."""
+    inv_per_device: dict[torch.device, torch.Tensor] = {}
+    for device, per_dtype in grouped.items():
+        if device not in found_per_device:
+            found_per_device[device] = found_inf.to(device=device, non_blocking=True, copy=True)
+        if device not in inv_per_device:
+            inv_per_device[device] = inv_scale.to(device=device, non_blocking=True, copy=True)
+        for grads in per_dtype.values():
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_per_device[device], inv_per_device[device])
+
+
 class GradScaler(torch.amp.GradScaler):
     """Dynamic loss scaler, compatible with ``torch.amp.GradScaler``.
 
@@ -252,17 +270,8 @@ class GradScaler(torch.amp.GradScaler):
                             param.grad = grad = grad.coalesce()
                         grad = grad._values()
                     grouped[grad.device][grad.dtype].append(grad)
-
             found_per_device: dict[torch.device, torch.Tensor] = {}
-            inv_per_device: dict[torch.device, torch.Tensor] = {}
-            for device, per_dtype in grouped.items():
-                if device not in found_per_device:
-                    found_per_device[device] = found_inf.to(device=device, non_blocking=True, copy=True)
-                    inv_per_device[device] = inv_scale.to(device=device, non_blocking=True, copy=True)
-                for grads in per_dtype.values():
-                    torch._amp_foreach_non_finite_check_and_unscale_(
-                        grads, found_per_device[device], inv_per_device[device]
-                    )
+            _check_and_unscale_(grouped, found_per_device, found_inf, inv_scale)
         return found_per_device
 
     def _inv_scale(self) -> torch.Tensor:
@@ -303,17 +312,13 @@ class GradScaler(torch.amp.GradScaler):
             return None
         self.unscale_(optimizer)
         state = self._per_optimizer_states[id(optimizer)]
-        found = state["found_inf_per_device"]
         grouped: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = defaultdict(lambda: defaultdict(list))
         for g in pending:
             grouped[g.device][g.dtype].append(g)
-        with torch.no_grad():
-            for device, per_dtype in grouped.items():
-                if device not in found:
-                    found[device] = torch.full((), 0.0, dtype=torch.float32, device=device)
-                one = torch.ones((), dtype=torch.float32, device=device)
-                for grads in per_dtype.values():
-                    torch._amp_foreach_non_finite_check_and_unscale_(grads, found[device], one)
+        assert self._scale is not None
+        zero = torch.zeros((), dtype=torch.float32, device=self._scale.device)
+        with torch.no_grad():  # the same check with an inverse scale of 1: the values stay as they are
+            _check_and_unscale_(grouped, state["found_inf_per_device"], zero, torch.ones_like(zero))
         return self._inv_scale()
 
     def share_skip_decision(self, optimizers: list[torch.optim.Optimizer]) -> None:
