@@ -57,6 +57,16 @@ def _gpt_loss(model: nn.Module, mp: MixedPrecision, step: int) -> torch.Tensor:
     return lm_loss(out, y)
 
 
+def _poison(*steps: int, nan: bool = False):
+    """The GPT loss, times inf (or NaN) in ``steps``: a skipped step under a loss scaler."""
+    def loss(model, mp, step):
+        out = _gpt_loss(model, mp, step)
+        if step in steps:
+            return out * float("nan") if nan else out * float("inf")
+        return out
+    return loss
+
+
 def _adamw(mp: MixedPrecision, model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(mp.parameters(model), lr=3e-3, weight_decay=0.1)
 
@@ -687,10 +697,7 @@ def test_a_failure_in_a_later_bucket_leaves_the_earlier_buckets_stepped(monkeypa
 
 # Found by the review (was a strict xfail): bf16-true-sr with a skipped step (skip_nonfinite, inf loss): the whole step rebuilds and writes  back every bucket in after_step (drawing SR random bits), the bucketed step rebuilds nothing; the  gene...
 def test_stochastic_rounding_across_a_skipped_step(monkeypatch):
-    def loss(model, mp, step):
-        out = _gpt_loss(model, mp, step)
-        return out * float("inf") if step == 1 else out
-
+    loss = _poison(1)
     # the skip decision's scaler checks the 16-bit gradients where they wait: they stay deferred
     _assert_modes_agree(monkeypatch, ("whole", "deferred"), deferred=True, recipe="bf16-true-sr", loss=loss,
                         mp_kwargs={"skip_nonfinite": True})
@@ -737,13 +744,6 @@ def test_an_instance_step_wrapper_of_the_user_runs_once_per_bucket(monkeypatch):
 # fp16-true (dynamic loss scaling) and skip_nonfinite keep the 16-bit gradients on the model too:
 # the scaler checks them there for inf/NaN and they are unscaled (then clipped) when folded.
 
-def _poisoned(step_to_poison: int):
-    def loss(model, mp, step):
-        out = _gpt_loss(model, mp, step)
-        return out * float("inf") if step == step_to_poison else out
-    return loss
-
-
 @pytest.mark.parametrize("feature", ["adamw-single", "adamw-amsgrad-fused", "sgd-dampening", "sgd-plain-fused",
                                      "rmsprop-centered"])
 def test_fp16_true_with_its_loss_scaler_steps_deferred_bitwise(feature, monkeypatch):
@@ -751,7 +751,7 @@ def test_fp16_true_with_its_loss_scaler_steps_deferred_bitwise(feature, monkeypa
     # (fp32 masters rebuild nothing: without deferred gradients their step is whole, so no "folded" mode)
     runs = _assert_modes_agree(monkeypatch, ("whole", "deferred"), recipe="fp16-true",
                                optimizer=_by_name(_three_groups, FEATURES[feature]),
-                               loss=_poisoned(1), steps=4, max_grad_norm=0.05)
+                               loss=_poison(1), steps=4, max_grad_norm=0.05)
     norms = runs["deferred"]["norms"]
     assert not torch.isfinite(norms[1]) and all(float(norms[i]) > 0.05 for i in (0, 2, 3))  # skipped; clipped
     assert runs["deferred"]["mp"].scaler.skipped_steps == 1
@@ -765,7 +765,7 @@ def test_fp16_true_deferred_matches_fp16_mixed_with_clipping_and_a_skip(monkeypa
             mp = MixedPrecision(recipe, "cpu")
             m = mp.prepare(tiny_gpt())
             opt = _adamw(mp, m)
-            stats = [mp.step(_poisoned(2)(m, mp, step), opt, max_grad_norm=0.05) for step in range(4)]
+            stats = [mp.step(_poison(2)(m, mp, step), opt, max_grad_norm=0.05) for step in range(4)]
             masters = mp.masters.masters() if mp.masters else {}
             out[recipe] = ([(float(s.loss), float(s.scale), float(s.grad_norm)) for s in stats[:2] + stats[3:]],
                            {n: masters.get(n, p) for n, p in m.named_parameters()})

@@ -24,6 +24,7 @@ from test_masters_bucketed_review import (
     _mode,
     _Odd,
     _odd_loss,
+    _poison,
     _raise_once,
     _run,
     _subset,
@@ -33,15 +34,6 @@ from torch import nn
 
 from mixprec import MixedPrecision
 from mixprec.scaling import GradScaler, StaticLossScaler
-
-
-def _poison(*steps: int, nan: bool = False):
-    def loss(model, mp, step):
-        out = _gpt_loss(model, mp, step)
-        if step in steps:
-            return out * float("nan") if nan else out * float("inf")
-        return out
-    return loss
 
 
 def _fp16(scaler_kwargs: dict[str, Any] | None = None, **extra):
