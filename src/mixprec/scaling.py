@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import inspect
+import math
 import warnings
 from collections import abc, defaultdict
 from enum import Enum
@@ -36,6 +37,16 @@ from typing import Any, Literal
 import torch
 
 OnFloor = Literal["raise", "warn", "skip"]
+
+
+def _is_power_of_two(x: Any) -> bool:
+    """A positive finite float whose mantissa is exactly 1 (multiplying by it, or by its
+    reciprocal, is exact in binary floating point unless the result leaves the format's range)."""
+    try:
+        x = float(x)
+    except (TypeError, ValueError):
+        return False
+    return math.isfinite(x) and x > 0 and math.frexp(x)[0] == 0.5
 
 
 class ScaleFloorError(RuntimeError):
@@ -188,6 +199,21 @@ class GradScaler(torch.amp.GradScaler):
         self._record: collections.deque[tuple[int, torch.Tensor, torch.Tensor]] = collections.deque(
             maxlen=self._record_steps
         )
+        self._pow2 = self._all_powers_of_two(init_scale)
+
+    def _all_powers_of_two(self, scale: Any) -> bool:
+        """Whether every scale this scaler can reach from ``scale`` is a power of two: the scale,
+        both factors and the bounds are (products and clamps of powers of two stay powers of two)."""
+        return all(_is_power_of_two(v) for v in (scale, self._growth_factor, self._backoff_factor,
+                                                  self._min_scale or 1.0, self._max_scale or 1.0))
+
+    @property
+    def scale_is_power_of_two(self) -> bool:
+        """True when the scale is known to be a power of two (host state, no sync): the default
+        factors keep it so, and then ``x * (1/scale)`` is exact, so a norm of scaled gradients times
+        ``1/scale`` is bitwise the norm of the unscaled ones. False is conservative (a factor or a
+        bound that is not a power of two, or a scale set from a tensor)."""
+        return self._enabled and self._pow2
 
     # ------------------------------------------------------------------ lazy state
 
@@ -486,6 +512,7 @@ class GradScaler(torch.amp.GradScaler):
         assert self._scale is not None
         if isinstance(new_scale, (float, int)) and not isinstance(new_scale, bool):
             self._scale.fill_(float(new_scale))
+            self._pow2 = self._all_powers_of_two(new_scale)
             return
         reason = (
             "new_scale should be a float or a 1-element torch.cuda.FloatTensor or "
@@ -500,6 +527,7 @@ class GradScaler(torch.amp.GradScaler):
         if new_scale.requires_grad:
             raise AssertionError(reason)
         self._scale.copy_(new_scale)
+        self._pow2 = False  # not known without reading the tensor (a sync): assume not
 
     def check_floor(self) -> None:
         """Raise or warn (per ``on_floor``) if gradients overflowed at ``min_scale`` since the last check.
@@ -588,12 +616,14 @@ class GradScaler(torch.amp.GradScaler):
 
     def set_growth_factor(self, new_factor: float) -> None:
         self._growth_factor = new_factor
+        self._pow2 = self._pow2 and _is_power_of_two(new_factor)
 
     def get_backoff_factor(self) -> float:
         return self._backoff_factor
 
     def set_backoff_factor(self, new_factor: float) -> None:
         self._backoff_factor = new_factor
+        self._pow2 = self._pow2 and _is_power_of_two(new_factor)
 
     def get_growth_interval(self) -> int:
         return self._growth_interval
@@ -664,6 +694,7 @@ class GradScaler(torch.amp.GradScaler):
             self._floor_hits_reported = extra["_floor_hits_reported"]
             self._init_skipped = extra["_skipped_total"]
             self._updates = extra["_updates"]
+        self._pow2 = self._all_powers_of_two(self._init_scale)
         if self._scale is not None:
             # Already live: write the loaded values into the existing device tensors.
             assert self._growth_tracker is not None and self._hysteresis_tracker is not None

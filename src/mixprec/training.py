@@ -351,7 +351,8 @@ class MixedPrecision:
             if self.masters is not None and self.masters.deferred and self.scaler.is_enabled():
                 # 16-bit gradients waiting for their bucket: checked now, unscaled when made fp32
                 pending = self.masters.pending_grads(opt)
-                self.masters.set_grad_unscale(self.scaler.unscale_deferred_(opt, pending), pending)
+                self.masters.set_grad_unscale(self.scaler.unscale_deferred_(opt, pending), pending,
+                                              exact=self.scaler.scale_is_power_of_two)
             else:
                 self.scaler.unscale_(opt)
         self.scaler.share_skip_decision(opts)  # one overflow anywhere skips every optimizer

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from mixprec_test_env import bf16_sdpa_error
 from torch import nn
 
 from mixprec.bench.block import SHAPES, make_batches
@@ -31,6 +32,8 @@ def test_linear_activation_is_its_input_not_its_weight():
 
 
 def test_bf16_mixed_saves_at_most_0_8x_the_activation_bytes_of_fp32():
+    if bf16_sdpa_error():
+        pytest.skip(bf16_sdpa_error())
     # Per token the block saves 64*d bytes in fp32 and 36*d in bf16-mixed (the residual stream and
     # the norm islands stay fp32), plus bf16 weight copies: 0.75x at this shape, 0.59x at ref.
     shape, dev = SHAPES["small"], torch.device("cpu")

@@ -16,10 +16,10 @@ from mixprec.tasks import load_task
 from . import zoo
 
 
-def _guarded_step(task, recipe, mode="record"):
+def _guarded_step(task, recipe, mode="record", **mp_kwargs):
     torch.manual_seed(0)
     model = task.build_model()
-    mp = mixprec.MixedPrecision(recipe, "cpu")
+    mp = mixprec.MixedPrecision(recipe, "cpu", **mp_kwargs)
     mp.prepare(model)
     inputs, targets = task.get_batch(0)
     with nan_guard(model, mode, scaler=mp.scaler) as guard:
@@ -65,6 +65,18 @@ def test_guard_is_silent_on_the_builtin_task_with_its_minus_inf_causal_mask(reci
     guard, loss = _guarded_step(task, recipe, mode="raise")  # would raise on any producer
     assert math.isfinite(float(loss))
     assert guard.checks >= 2 and guard.events == []
+
+
+def test_guard_is_silent_when_the_loss_scale_overflows_the_gradients_and_the_step_reads_them():
+    # A scale too large for this step: fp16 backward overflows, the scaler skips. The step then
+    # reads p.grad (inf) inside the guard's block: a property read, not an op making an infinity.
+    # (It was reported as "Inf produced in forward by code outside the model, op get" whenever the
+    # default 2**16 overflowed at step 1, which depends on the batch and the CPU's kernels.)
+    task = load_task(None, batch_size=2, seq_len=16)
+    guard, loss = _guarded_step(task, "fp16-mixed", mode="raise", scaler={"init_scale": 2.0**60})
+    assert math.isfinite(float(loss))
+    assert all(ev.scaled for ev in guard.events)  # the scaler's own overflow: reported, never raised
+    assert guard.events  # and it did overflow
 
 
 class Chain(nn.Module):

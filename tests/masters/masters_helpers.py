@@ -28,9 +28,10 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def setup(recipe: str, seed: int = 0, optimizer: Callable[..., torch.optim.Optimizer] | None = None,
-          device: str = "cpu", **mp_kwargs: Any) -> tuple[nn.Module, MixedPrecision, torch.optim.Optimizer]:
+          device: str = "cpu", build: Callable[[int], nn.Module] = tiny_gpt,
+          **mp_kwargs: Any) -> tuple[nn.Module, MixedPrecision, torch.optim.Optimizer]:
     mp = MixedPrecision(recipe, device, **mp_kwargs)
-    model = mp.prepare(tiny_gpt(seed).to(device))
+    model = mp.prepare(build(seed).to(device))
     make = optimizer or (lambda params: torch.optim.AdamW(params, lr=3e-3, weight_decay=0.1))
     return model, mp, make(mp.parameters(model))
 

@@ -38,7 +38,7 @@ __all__ = ["ModuleCall", "Record", "StatsBuffer", "TensorRange", "Tracer", "floa
 # Ops that cannot create a non-finite value from finite inputs (views, metadata, copies of
 # layout) or whose output is uninitialised memory (empty*): never checked. Keeping the forward
 # cheap matters: these are a large share of the calls in a transformer.
-_PASS_THROUGH = frozenset(
+_PASS_THROUGH_NAMES = (
     """__get__ __set__ size dim numel stride storage_offset data_ptr is_floating_point is_complex
     is_contiguous __len__ __bool__ __format__ __repr__ __iter__ __hash__ __index__ __int__ __float__
     item tolist requires_grad_ retain_grad register_hook backward view view_as reshape reshape_as
@@ -78,6 +78,12 @@ def op_name(func: Any) -> str:
     return {"truediv": "div", "rtruediv": "rdiv", "itruediv": "div_", "iadd": "add_", "isub": "sub_",
             "imul": "mul_", "rpow": "pow", "rmul": "mul", "radd": "add"}.get(name, name)
 
+
+# Looked up by op_name: "__get__" (a property read such as ``p.grad`` or ``x.T``) is "get" here.
+# (Matched against the raw names it never hit: property reads went through the checks, and reading
+# a loss-scaled gradient that had overflowed, ``p.grad`` in the step, was taken for an op that made
+# an infinity from finite inputs.)
+_PASS_THROUGH = frozenset(op_name(n) for n in _PASS_THROUGH_NAMES)
 
 _ACCUMULATE, _LAYOUT, _HOOKED = 0, 1, 2
 _NODE_KINDS: dict[type, int] = {}

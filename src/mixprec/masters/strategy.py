@@ -243,6 +243,7 @@ class MasterWeights:
         self._clipped: set[int] = set()  # ... and the slots (ids) it applies to
         self._grad_unscale: torch.Tensor | None = None  # a loss scaler's inverse scale for deferred gradients
         self._unscaled: set[int] = set()  # ... and the 16-bit gradients (ids) the scaler checked: the optimizer's
+        self._unscale_exact = True  # ... and whether that inverse scale is a power of two
 
     # ------------------------------------------------------------------ attach
 
@@ -413,7 +414,8 @@ class MasterWeights:
         fp32 value: tested), combined as torch combines them; fp32 gradients are scaled now,
         deferred ones when their bucket is folded (the same multiplication). Under a loss scaler
         (``set_grad_unscale``) a deferred gradient's norm is its scaled norm times the inverse
-        scale: with a power-of-two scale, bitwise the norm of the unscaled fp32 gradient."""
+        scale when the scale is a power of two (bitwise the norm of the unscaled fp32 gradient),
+        else the norm of its unscaled fp32 products, made one tensor at a time."""
         items: list[tuple[torch.Tensor, bool]] = []  # (gradient, still 16-bit on the model)
         deferred_slots: set[int] = set()
         for p in params:
@@ -435,9 +437,18 @@ class MasterWeights:
                 got = torch._foreach_norm([g for g, _ in group], norm_type, dtype=torch.float32)
                 if self._grad_unscale is not None:  # the deferred ones are still multiplied by the scale
                     # (only the optimizer's: the scaler unscales no other gradient, fp32 or deferred)
-                    scaled = [n for n, (g, is16) in zip(got, group) if is16 and id(g) in self._unscaled]
-                    if scaled:
-                        torch._foreach_mul_(scaled, self._grad_unscale.to(dev))
+                    scaled = [i for i, (g, is16) in enumerate(group) if is16 and id(g) in self._unscaled]
+                    inv = self._grad_unscale.to(dev)
+                    if self._unscale_exact:  # x * 2**-k is exact: the scaled norm times 2**-k is the norm
+                        if scaled:
+                            torch._foreach_mul_([got[i] for i in scaled], inv)
+                    else:
+                        # Any other scale rounds each product g * inv, so the norm of the rounded
+                        # products (what the whole step measures, after unscale_) is not the scaled
+                        # norm times inv: measure those products, one fp32 temporary at a time.
+                        got = list(got)
+                        for i in scaled:
+                            got[i] = torch._foreach_norm([group[i][0].to(torch.float32).mul_(inv)], norm_type)[0]
                 norms.extend(got)
             total = torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]), norm_type)
             if max_norm is not None:
@@ -463,12 +474,15 @@ class MasterWeights:
                     out.append(slot.param.grad)
         return out
 
-    def set_grad_unscale(self, inv_scale: torch.Tensor | None, pending: Sequence[torch.Tensor] = ()) -> None:
+    def set_grad_unscale(self, inv_scale: torch.Tensor | None, pending: Sequence[torch.Tensor] = (),
+                         exact: bool = True) -> None:
         """A loss scaler's inverse scale: deferred gradients are multiplied by it when folded
         (and the norms of ``pending``, the optimizer's ones the scaler checked, when measured), as
-        ``unscale_`` multiplies the optimizer's fp32 gradients and no others."""
+        ``unscale_`` multiplies the optimizer's fp32 gradients and no others. ``exact``: the scale
+        is a power of two (``GradScaler.scale_is_power_of_two``), so a norm can be unscaled whole."""
         self._grad_unscale = inv_scale
         self._unscaled = {id(g) for g in pending}
+        self._unscale_exact = bool(exact)
 
     def can_step_in_buckets(self, optimizers: Sequence[torch.optim.Optimizer]) -> bool:
         """Whether the coming step can run a bucket at a time (see the module docstring)."""
