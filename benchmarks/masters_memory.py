@@ -1,7 +1,7 @@
 """Memory and step time of 16-bit storage (each master-weight variant) against bf16-mixed and fp32.
 
 One model (the built-in char GPT), one optimizer (AdamW), every recipe: bytes per parameter
-measured from one real step (``mixprec.memory_measure``), and step time as the median of
+measured from one real step (``mixprec.memory.measure``), and step time as the median of
 interleaved rounds (every round runs each recipe in turn, rotating the order, so load from other
 processes falls on all of them alike). Ratios are against fp32 on the same device.
 
@@ -28,7 +28,7 @@ import torch  # noqa: E402
 
 from mixprec import MixedPrecision  # noqa: E402
 from mixprec.memory import facts_from_recipe, plan  # noqa: E402
-from mixprec.memory_measure import make_optimizer, measure_step  # noqa: E402
+from mixprec.memory.measure import make_optimizer, measure_step  # noqa: E402
 from mixprec.recipes import as_device, get_recipe  # noqa: E402
 from mixprec.tasks import load_task, to_device  # noqa: E402
 

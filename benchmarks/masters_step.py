@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch import nn
 
     import mixprec
-    from mixprec.bench.timing import Summary, interleaved_order, paired_ratio, synchronize
+    from mixprec.instruments.timing import Summary, interleaved_order, paired_ratio, synchronize
 
     if not Path(mixprec.__file__).resolve().is_relative_to(src):
         ap.error(f"imported mixprec from {mixprec.__file__}, not from {src}")

@@ -14,16 +14,37 @@ from mixprec_test_env import src_env
 CORE = {
     "FloatFormat", "get_format", "Policy", "get_policy", "Recipe", "get_recipe", "resolve_recipe",
     "list_recipes", "register_recipe", "GradScaler", "StaticLossScaler", "NoOpScaler", "ScaleFloorError",
-    "fp32_island", "Fp32Island", "keep_fp32", "remove_fp32_islands", "island_names", "Fp32LayerNorm", "Fp32GroupNorm", "Fp32RMSNorm",
+    "fp32_island", "keep_fp32", "remove_fp32_islands", "Fp32LayerNorm", "Fp32GroupNorm", "Fp32RMSNorm",
     "MixedPrecision", "StepStats", "Task", "load_task", "__version__",
+}
+TOOLS = {
+    "compare", "ComparisonResult", "Verdict", "VerdictRule",
+    "nan_guard", "NanGuard", "NonFiniteError", "NonFiniteWarning", "NonFiniteEvent",
+    "probe_grad_underflow", "probe_update_vanishing", "probe_activation_range", "ScaleMonitor", "diagnose_scale",
+    "doctor", "lint_paths", "lint_source",
+}
+# 0.1's top-level helpers, now in their submodules (importable from mixprec with a warning until 0.3)
+MOVED = {
+    "Fp32Island": "mixprec.islands", "island_names": "mixprec.islands", "RunResult": "mixprec.comparison",
+    "MasterWeights": "mixprec.masters", "fp32_param_names": "mixprec.masters",
+    "stochastic_round_bf16": "mixprec.masters", "kahan_add_": "mixprec.masters", "split_fp32": "mixprec.masters",
+    "join_fp32": "mixprec.masters",
 }
 
 
-def test_core_names_are_public_and_resolve():
-    assert CORE <= set(mixprec.__all__)
+def test_public_names_are_exactly_the_pinned_ones_and_resolve():
+    assert set(mixprec.__all__) == CORE | TOOLS
     for name in mixprec.__all__:
         assert getattr(mixprec, name) is not None, name
     assert sorted(mixprec.__all__[:-1]) == mixprec.__all__[:-1]
+
+
+@pytest.mark.parametrize("name", sorted(MOVED))
+def test_moved_names_still_resolve_with_a_deprecation_warning_naming_their_new_home(name):
+    with pytest.warns(DeprecationWarning, match=MOVED[name].replace(".", r"\.")):
+        value = getattr(mixprec, name)
+    assert value is getattr(importlib.import_module(MOVED[name]), name)
+    assert name not in mixprec.__all__ and name not in dir(mixprec)
 
 
 def test_unknown_attribute_is_an_attribute_error():

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import mixprec
+from mixprec.islands import island_names
 
 RECIPES = ["fp32", "bf16-mixed", "fp16-mixed"]
 
@@ -394,7 +395,7 @@ def test_one_rule_alone_is_a_rule_not_letters():
     net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
     mp = mixprec.MixedPrecision("bf16-mixed", device="cpu", fp32_modules="1")
     mp.prepare(net)
-    assert mixprec.island_names(net) == ["1"]
+    assert island_names(net) == ["1"]
     mp16 = mixprec.MixedPrecision("bf16-true", device="cpu", fp32_params="biases")
     net16 = mp16.prepare(nn.Sequential(nn.Linear(4, 4)))
     assert net16[0].bias.dtype == torch.float32 and net16[0].weight.dtype == torch.bfloat16

@@ -11,6 +11,7 @@ Policy(param_dtype=torch.float32, compute_dtype=torch.bfloat16, output_dtype=tor
 from __future__ import annotations
 
 import importlib
+import warnings
 from typing import Any
 
 __version__ = "0.1.0"
@@ -35,10 +36,8 @@ _EXPORTS: dict[str, str] = {
     "ScaleFloorError": "mixprec.scaling",
     # fp32 islands
     "fp32_island": "mixprec.islands",
-    "Fp32Island": "mixprec.islands",
     "keep_fp32": "mixprec.islands",
     "remove_fp32_islands": "mixprec.islands",
-    "island_names": "mixprec.islands",
     "Fp32LayerNorm": "mixprec.islands",
     "Fp32GroupNorm": "mixprec.islands",
     "Fp32RMSNorm": "mixprec.islands",
@@ -53,26 +52,18 @@ _EXPORTS: dict[str, str] = {
     "ComparisonResult": "mixprec.comparison.api",
     "Verdict": "mixprec.comparison.verdict",
     "VerdictRule": "mixprec.comparison.verdict",
-    "RunResult": "mixprec.comparison.runner",
     # diagnostics
     "nan_guard": "mixprec.diagnostics.guard",
     "NanGuard": "mixprec.diagnostics.guard",
-    "NonFiniteError": "mixprec.diagnostics.guard",
-    "NonFiniteWarning": "mixprec.diagnostics.guard",
-    "NonFiniteEvent": "mixprec.diagnostics.guard",
+    "NonFiniteError": "mixprec.diagnostics.events",
+    "NonFiniteWarning": "mixprec.diagnostics.events",
+    "NonFiniteEvent": "mixprec.diagnostics.events",
     "probe_grad_underflow": "mixprec.diagnostics.probes.gradients",
     "probe_update_vanishing": "mixprec.diagnostics.probes.updates",
     "probe_activation_range": "mixprec.diagnostics.probes.activations",
     "ScaleMonitor": "mixprec.diagnostics.scale_monitor",
     "diagnose_scale": "mixprec.diagnostics.scale_monitor",
     "doctor": "mixprec.diagnostics.doctor",
-    # master weights and 16-bit storage
-    "MasterWeights": "mixprec.masters",
-    "fp32_param_names": "mixprec.masters",
-    "stochastic_round_bf16": "mixprec.masters",
-    "kahan_add_": "mixprec.masters",
-    "split_fp32": "mixprec.masters",
-    "join_fp32": "mixprec.masters",
     # lint (reads text; never imports torch)
     "lint_paths": "mixprec.lint",
     "lint_source": "mixprec.lint",
@@ -80,8 +71,28 @@ _EXPORTS: dict[str, str] = {
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
 
+# Names that were public at the top level in 0.1 and now live only in their submodule (helpers a
+# training loop never needs at the top). Still importable from here, with a DeprecationWarning,
+# until 0.3.
+_MOVED: dict[str, str] = {
+    "Fp32Island": "mixprec.islands",
+    "island_names": "mixprec.islands",
+    "RunResult": "mixprec.comparison",
+    "MasterWeights": "mixprec.masters",
+    "fp32_param_names": "mixprec.masters",
+    "stochastic_round_bf16": "mixprec.masters",
+    "kahan_add_": "mixprec.masters",
+    "split_fp32": "mixprec.masters",
+    "join_fp32": "mixprec.masters",
+}
+
 
 def __getattr__(name: str) -> Any:
+    moved = _MOVED.get(name)
+    if moved is not None:
+        warnings.warn(f"mixprec.{name} has moved: import it from {moved} (the top-level name goes in 0.3)",
+                      DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module(moved), name)
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'mixprec' has no attribute {name!r}")

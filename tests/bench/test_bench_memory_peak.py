@@ -6,7 +6,7 @@ from mixprec_test_env import bf16_sdpa_error
 from torch import nn
 
 from mixprec.bench.block import SHAPES, make_batches
-from mixprec.bench.memory import SavedTensorMeter, measure_activation_memory
+from mixprec.instruments.activations import SavedTensorMeter, measure_activation_memory
 from mixprec.bench.peak import measure_matmul_peak, peak_key, tf32
 from mixprec.bench.runner import Trainer, Variant
 

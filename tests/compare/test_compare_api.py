@@ -21,7 +21,7 @@ def test_public_names_are_exported_and_compare_stays_a_function():
     import mixprec.comparison.api  # noqa: F401  (a subpackage named 'compare' would shadow the function)
 
     assert callable(mixprec.compare) and mixprec.compare is compare
-    for name in ("ComparisonResult", "Verdict", "VerdictRule", "RunResult"):
+    for name in ("ComparisonResult", "Verdict", "VerdictRule"):
         assert name in mixprec.__all__ and getattr(mixprec, name).__name__ == name
 
 

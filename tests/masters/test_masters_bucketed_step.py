@@ -11,7 +11,7 @@ from torch import nn
 
 from mixprec import MixedPrecision
 from mixprec.masters.strategy import MasterWeights
-from mixprec.memory_measure import LiveBytes
+from mixprec.instruments.storage import LiveBytes
 
 COMPACT = ["bf16-true-kahan", "bf16-true-sr", "bf16-true-remainder", "bf16-pure"]
 

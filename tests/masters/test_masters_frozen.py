@@ -9,7 +9,7 @@ from torch import nn
 
 from mixprec import MixedPrecision
 from mixprec.memory import ParamCounts, StorageFacts, facts_from_recipe, plan
-from mixprec.memory_measure import count_params, measure_step
+from mixprec.memory.measure import count_params, measure_step
 from mixprec.recipes import get_recipe
 from mixprec.tasks import load_task
 from mixprec.tasks.charlm import lm_loss

@@ -13,7 +13,7 @@ from torch import nn
 
 from mixprec import MixedPrecision
 from mixprec.masters import STRATEGIES
-from mixprec.memory_measure import LiveBytes
+from mixprec.instruments.storage import LiveBytes
 
 
 @pytest.mark.parametrize("recipe", ["bf16-true", "fp16-true", "bf16-true-kahan", "bf16-true-sr",

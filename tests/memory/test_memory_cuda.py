@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mixprec.memory import TransformerShape, facts_from_recipe, plan
-from mixprec.memory_measure import measure_step
+from mixprec.memory.measure import measure_step
 from mixprec.recipes import get_recipe
 from mixprec.tasks import load_task
 

@@ -8,7 +8,7 @@ import pytest
 
 from mixprec.cli import main
 from mixprec.memory import TransformerShape, facts_from_recipe, plan
-from mixprec.memory_measure import measure_step
+from mixprec.memory.measure import measure_step
 from mixprec.recipes import get_recipe
 from mixprec.tasks import load_task
 
@@ -142,7 +142,7 @@ def test_cli_trainable_leaves_frozen_parameters_without_state(capsys):
 @pytest.mark.parametrize("recipe", ["bf16-true", "bf16-true-sr"])
 def test_planned_accumulators_are_what_an_accumulation_window_holds(task, recipe):
     import mixprec
-    from mixprec.memory_measure import count_params
+    from mixprec.memory.measure import count_params
 
     mp = mixprec.MixedPrecision(recipe, "cpu", accumulate=2)
     model = mp.prepare(task.build_model())

@@ -28,7 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from mixprec.bench.block import RefBlock, Shape, loss_fn, make_batches
 from mixprec.bench.runner import Log, default_optimizer, environment, make_optimizer
-from mixprec.bench.timing import Summary, interleaved_order, paired_ratio, synchronize
+from mixprec.instruments.timing import Summary, interleaved_order, paired_ratio, synchronize
 from mixprec.recipes import resolve_recipe
 from mixprec.training import MixedPrecision
 

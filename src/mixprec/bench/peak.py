@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-from mixprec.bench.timing import Summary, time_call
+from mixprec.instruments.timing import Summary, time_call
 from mixprec.formats import get_format, short_name
 
 #: Square matmul size per (device type, peak key). Large enough to fill an H200 (8192: 1.1 TFLOP,

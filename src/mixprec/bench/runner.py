@@ -21,10 +21,10 @@ import torch
 from torch import nn
 
 from mixprec.bench.block import FLOP_FORMULA, RefBlock, Shape, block_flops, loss_fn, make_batches
-from mixprec.bench.memory import measure_activation_memory
+from mixprec.instruments.activations import measure_activation_memory
 from mixprec.bench.peak import measure_matmul_peak, peak_key, peak_keys, tf32
-from mixprec.bench.timing import Summary, count_syncs, interleaved_order, paired_ratio, synchronize, time_call
-from mixprec.memory_measure import LiveBytes, storage_bytes
+from mixprec.instruments.timing import Summary, count_syncs, interleaved_order, paired_ratio, synchronize, time_call
+from mixprec.instruments.storage import LiveBytes, storage_bytes
 from mixprec.recipes import list_recipes, resolve_recipe
 from mixprec.training import MixedPrecision
 

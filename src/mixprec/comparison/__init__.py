@@ -9,3 +9,24 @@
 The package is named ``comparison`` so that ``mixprec.compare`` stays the function: a subpackage
 called ``compare`` would replace it on ``mixprec`` as soon as it was imported.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "compare": "mixprec.comparison.api",
+    "ComparisonResult": "mixprec.comparison.api",
+    "RunResult": "mixprec.comparison.runner",
+    "Verdict": "mixprec.comparison.verdict",
+    "VerdictRule": "mixprec.comparison.verdict",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:  # lazy (PEP 562): ``mixprec compare --help`` loads no torch
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'mixprec.comparison' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

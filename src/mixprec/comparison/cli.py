@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import ast
 import contextlib
-import sys
 from typing import Any
 
 HELP = "prove on a model that mixed precision tracks fp32 within fp32's own noise"
@@ -163,8 +162,3 @@ def run(args: argparse.Namespace) -> int:
         print_summary(result, make_console())
     return 0 if result.ok else 1
 
-
-if __name__ == "__main__":  # pragma: no cover
-    from mixprec.cli import main
-
-    sys.exit(main(["compare", *sys.argv[1:]]))

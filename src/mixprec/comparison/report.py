@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from mixprec.comparison.verdict import ema
 from mixprec.report.outdir import check_writable_dir
 
 FILES = {"html": "compare.html", "png": "compare.png", "json": "compare.json", "csv": "compare.csv"}
@@ -122,7 +123,8 @@ def write_report(result: Any, out: str | Path) -> dict[str, str]:
     path.mkdir(parents=True, exist_ok=True)
     files = {key: str(path / name) for key, name in FILES.items()}
     result = dataclasses.replace(result, files=files)  # the JSON lists the files; the caller's object is untouched
-    png = save_png(comparison_figure(result), files["png"])
+    span = result.rule.resolve(result.steps).span
+    png = save_png(comparison_figure(result, lambda x: ema(x, span), f"EMA span {span}"), files["png"])
     Path(files["json"]).write_text(result.to_json(), encoding="utf-8")
     _write_csv(result, files["csv"])
     _write_html(result, png, files["html"])

@@ -20,9 +20,9 @@ from typing import Any
 _EXPORTS: dict[str, str] = {
     "AllowRule": "mixprec.diagnostics.guard",
     "NanGuard": "mixprec.diagnostics.guard",
-    "NonFiniteError": "mixprec.diagnostics.guard",
-    "NonFiniteEvent": "mixprec.diagnostics.guard",
-    "NonFiniteWarning": "mixprec.diagnostics.guard",
+    "NonFiniteError": "mixprec.diagnostics.events",
+    "NonFiniteEvent": "mixprec.diagnostics.events",
+    "NonFiniteWarning": "mixprec.diagnostics.events",
     "nan_guard": "mixprec.diagnostics.guard",
     "probe_activation_range": "mixprec.diagnostics.probes.activations",
     "probe_grad_underflow": "mixprec.diagnostics.probes.gradients",
@@ -30,7 +30,7 @@ _EXPORTS: dict[str, str] = {
     "ScaleDiagnosis": "mixprec.diagnostics.scale_monitor",
     "ScaleMonitor": "mixprec.diagnostics.scale_monitor",
     "diagnose_scale": "mixprec.diagnostics.scale_monitor",
-    "DoctorReport": "mixprec.diagnostics.doctor",
+    "DoctorReport": "mixprec.diagnostics.doctor_report",
     "Finding": "mixprec.diagnostics.findings",
 }
 

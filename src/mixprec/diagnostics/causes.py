@@ -8,13 +8,15 @@ prints it and ``doctor`` reports it; tests check the codes.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from mixprec.formats import get_format
 
 if TYPE_CHECKING:
-    from mixprec.diagnostics.guard import NonFiniteEvent
-    from mixprec.diagnostics._trace import TensorRange
+    from mixprec.diagnostics._stats import TensorRange
+
+# ``event`` below is a ``NonFiniteEvent`` (diagnostics.events), read by its attributes only: op,
+# kind, phase, module, module_type, dtype, inputs, origin, scaled, scale.
 
 LOG_OPS = frozenset({"log", "log_", "log2", "log10", "log1p", "xlogy", "special_xlogy", "log_softmax"})
 SQRT_OPS = frozenset({"sqrt", "sqrt_"})
@@ -48,14 +50,14 @@ def _touches_zero(r: "TensorRange | None") -> bool:
     return r is not None and not r.nan and r.min <= 0.0 <= r.max
 
 
-def _island_fix(event: "NonFiniteEvent") -> str:
+def _island_fix(event: Any) -> str:
     if event.module is None:
         return "run it in fp32: cast its inputs with .float() outside mp.autocast()"
     return (f"run it in fp32: MixedPrecision(..., fp32_modules=[{event.module_type!r}]) or "
             f"mixprec.keep_fp32(model, [{event.module or event.module_type!r}])")
 
 
-def explain(event: "NonFiniteEvent") -> Cause:
+def explain(event: Any) -> Cause:
     """The likely cause of ``event`` and its fix."""
     op = (event.op or "").lower()
     ins = event.inputs

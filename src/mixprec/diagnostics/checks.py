@@ -16,7 +16,7 @@ from typing import Any
 from mixprec.diagnostics.causes import explain
 from mixprec.diagnostics.doctor_runs import RunResult
 from mixprec.diagnostics.findings import Finding
-from mixprec.diagnostics.guard import NonFiniteEvent
+from mixprec.diagnostics.events import NonFiniteEvent
 from mixprec.diagnostics.probes._common import pow2_label
 from mixprec.diagnostics.probes.activations import ActivationRangeReport
 from mixprec.diagnostics.probes.gradients import GradUnderflowReport

@@ -15,10 +15,8 @@ few steps on the task's first batches.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,8 +24,8 @@ from torch import nn
 
 from mixprec.diagnostics.causes import CAST_OPS
 from mixprec.diagnostics.checks import Evidence, NormStat, run_checklist
+from mixprec.diagnostics.doctor_report import DoctorReport
 from mixprec.diagnostics.doctor_runs import build, run_steps
-from mixprec.diagnostics.findings import STATUSES, Finding
 from mixprec.diagnostics.probes.activations import probe_activation_range
 from mixprec.diagnostics.probes.gradients import probe_grad_underflow
 from mixprec.diagnostics.probes.updates import probe_update_vanishing
@@ -35,65 +33,6 @@ from mixprec.recipes import as_device, resolve_recipe
 from mixprec.tasks import Task, load_task, to_device
 
 _NORM_TYPES = tuple(t for t in (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase, getattr(nn, "RMSNorm", None)) if t)
-
-
-@dataclasses.dataclass
-class DoctorReport:
-    """The findings, in checklist order, and the evidence behind them (``evidence.run`` etc.)."""
-
-    task: str
-    description: str
-    recipe: str
-    device: str
-    findings: list[Finding]
-    evidence: Evidence
-    seconds: float
-
-    @property
-    def alarming(self) -> bool:
-        return any(f.alarming for f in self.findings)
-
-    @property
-    def exit_code(self) -> int:
-        """1 when a finding is an alarm, else 0 (what ``mixprec doctor`` exits with)."""
-        return 1 if self.alarming else 0
-
-    def get(self, check: str) -> Finding:
-        for f in self.findings:
-            if f.check == check:
-                return f
-        raise KeyError(f"no finding {check!r}; checks: {[f.check for f in self.findings]}")
-
-    def worst(self) -> list[Finding]:
-        """Findings ordered most severe first (stable within a status)."""
-        return sorted(self.findings, key=lambda f: STATUSES.index(f.status))
-
-    def to_dict(self) -> dict[str, Any]:
-        ev = self.evidence
-        return {
-            "task": self.task, "description": self.description, "recipe": self.recipe, "device": self.device,
-            "alarming": self.alarming, "seconds": round(self.seconds, 2),
-            "findings": [f.to_dict() for f in self.findings],
-            "runs": {r.recipe: r.to_dict() for r in (ev.run, ev.fp32, ev.bf16) if r is not None},
-            "probes": {
-                "grad_underflow": None if ev.grads is None else ev.grads.to_dict([1.0, ev.run.scale] + (
-                    [ev.grads.recommended_scale] if ev.grads.recommended_scale else [])),
-                "update_vanishing": None if ev.updates is None else ev.updates.to_dict(),
-                "activation_range": None if ev.activations is None else ev.activations.to_dict(),
-            },
-            "errors": ev.errors,
-        }
-
-    def render_text(self, width: int = 100) -> str:
-        from mixprec.diagnostics.doctor_report import render_text
-
-        return render_text(self, width)
-
-    def write(self, out_dir: str | Path) -> dict[str, Path]:
-        """Write ``doctor.html``, ``doctor.json`` and the PNG figures into ``out_dir``."""
-        from mixprec.diagnostics.doctor_report import write_report
-
-        return write_report(self, Path(out_dir))
 
 
 def _norm_like(module: nn.Module) -> bool:

@@ -1,18 +1,74 @@
-"""Rendering a ``DoctorReport``: a rich table for the terminal, an HTML page with the figures, JSON."""
+"""``DoctorReport`` (what ``doctor`` found) and its rendering: a rich table for the terminal, an HTML
+page with the figures, JSON."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from mixprec.diagnostics.checks import Evidence
+from mixprec.diagnostics.findings import STATUSES, Finding
 from mixprec.diagnostics.probes._common import pow2_label, rounding_thresholds
 from mixprec.diagnostics.probes.gradients import HIST_LO
 from mixprec.formats import get_format
 
-if TYPE_CHECKING:
-    from mixprec.diagnostics.doctor import DoctorReport
+@dataclasses.dataclass
+class DoctorReport:
+    """The findings, in checklist order, and the evidence behind them (``evidence.run`` etc.)."""
+
+    task: str
+    description: str
+    recipe: str
+    device: str
+    findings: list[Finding]
+    evidence: Evidence
+    seconds: float
+
+    @property
+    def alarming(self) -> bool:
+        return any(f.alarming for f in self.findings)
+
+    @property
+    def exit_code(self) -> int:
+        """1 when a finding is an alarm, else 0 (what ``mixprec doctor`` exits with)."""
+        return 1 if self.alarming else 0
+
+    def get(self, check: str) -> Finding:
+        for f in self.findings:
+            if f.check == check:
+                return f
+        raise KeyError(f"no finding {check!r}; checks: {[f.check for f in self.findings]}")
+
+    def worst(self) -> list[Finding]:
+        """Findings ordered most severe first (stable within a status)."""
+        return sorted(self.findings, key=lambda f: STATUSES.index(f.status))
+
+    def to_dict(self) -> dict[str, Any]:
+        ev = self.evidence
+        return {
+            "task": self.task, "description": self.description, "recipe": self.recipe, "device": self.device,
+            "alarming": self.alarming, "seconds": round(self.seconds, 2),
+            "findings": [f.to_dict() for f in self.findings],
+            "runs": {r.recipe: r.to_dict() for r in (ev.run, ev.fp32, ev.bf16) if r is not None},
+            "probes": {
+                "grad_underflow": None if ev.grads is None else ev.grads.to_dict([1.0, ev.run.scale] + (
+                    [ev.grads.recommended_scale] if ev.grads.recommended_scale else [])),
+                "update_vanishing": None if ev.updates is None else ev.updates.to_dict(),
+                "activation_range": None if ev.activations is None else ev.activations.to_dict(),
+            },
+            "errors": ev.errors,
+        }
+
+    def render_text(self, width: int = 100) -> str:
+        return render_text(self, width)
+
+    def write(self, out_dir: str | Path) -> dict[str, Path]:
+        """Write ``doctor.html``, ``doctor.json`` and the PNG figures into ``out_dir``."""
+        return write_report(self, Path(out_dir))
+
 
 _STYLE = {"alarm": "bold red", "warn": "bold yellow", "info": "cyan", "ok": "green", "skipped": "dim"}
 _CSS = {"alarm": "bad", "warn": "warn", "info": None, "ok": "ok", "skipped": None}

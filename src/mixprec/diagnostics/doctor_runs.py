@@ -17,7 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.diagnostics.guard import NonFiniteEvent, nan_guard
+from mixprec.diagnostics.events import NonFiniteEvent
+from mixprec.diagnostics.guard import nan_guard
 from mixprec.diagnostics.scale_monitor import Overflow, ScaleDiagnosis, ScaleMonitor, diagnose_scale
 from mixprec.tasks import Task, to_device
 from mixprec.training import MixedPrecision

@@ -7,6 +7,7 @@ scale of recipes that use a scaler, on a log axis, with skipped steps marked.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -19,16 +20,15 @@ _COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e
 _DASHES = ["-", "--", "-.", (0, (1, 1)), (0, (5, 1, 1, 1, 1, 1))]
 
 
-def comparison_figure(result: Any):
-    """A two-panel figure for a ``ComparisonResult`` (duck-typed: runs, verdicts, band, rule, steps)."""
+def comparison_figure(result: Any, smooth: Callable[[Any], np.ndarray], smooth_label: str):
+    """A two-panel figure for a ``ComparisonResult`` (duck-typed: runs, verdicts, band, reference),
+    the curves drawn through ``smooth`` (the verdict's smoothing, handed in by the caller and named
+    on the axis by ``smooth_label``)."""
     from matplotlib.ticker import MaxNLocator
-
-    from mixprec.comparison.verdict import ema
 
     fig, (ax_loss, ax_scale) = new_figure(
         2, 1, width=WIDTH_IN, height=HEIGHT_IN, dpi=DPI, sharex=True, gridspec_kw={"height_ratios": [2.2, 1]}
     )
-    span = result.rule.resolve(result.steps).span
     band = result.band
     ref = result.reference
     x_ref = np.arange(1, len(ref.loss) + 1)
@@ -40,12 +40,12 @@ def comparison_figure(result: Any):
         finite_values += [band.lower, band.upper]
     for run in result.noise:
         if np.isfinite(run.loss).all():
-            ax_loss.plot(np.arange(1, len(run.loss) + 1), ema(run.loss, span), color="0.45", lw=0.8, ls="--")
+            ax_loss.plot(np.arange(1, len(run.loss) + 1), smooth(run.loss), color="0.45", lw=0.8, ls="--")
     ax_loss.plot([], [], color="0.45", lw=0.8, ls="--", label=f"fp32, other seeds ({len(result.noise)})")
     if np.isfinite(ref.loss).all():
         ax_loss.plot(x_ref, ref.loss, color="black", lw=0.6, alpha=0.15)
         # drawn wide and first: a recipe that tracks closely shows as a coloured line on a black edge
-        ax_loss.plot(x_ref, ema(ref.loss, span), color="black", lw=3.2, label="fp32 (seed 0, reference)")
+        ax_loss.plot(x_ref, smooth(ref.loss), color="black", lw=3.2, label="fp32 (seed 0, reference)")
 
     scaled_any = False
     for i, run in enumerate(r for r in result.runs if r.role == "candidate"):
@@ -58,10 +58,10 @@ def comparison_figure(result: Any):
             ax_loss.plot(x[finite], run.loss[finite], color=color, lw=0.6, alpha=0.2)
             upto = int(np.argmin(finite)) if not finite.all() else len(run.loss)
             if upto > 0:
-                smooth = ema(run.loss[:upto], span)
-                ax_loss.plot(x[:upto], smooth, color=color, lw=1.6, ls=_DASHES[i % len(_DASHES)],
+                smoothed = smooth(run.loss[:upto])
+                ax_loss.plot(x[:upto], smoothed, color=color, lw=1.6, ls=_DASHES[i % len(_DASHES)],
                              label=f"{run.label}: {status}")
-                finite_values.append(smooth)
+                finite_values.append(smoothed)
         else:
             ax_loss.plot([], [], color=color, lw=1.6, label=f"{run.label}: {status}")
         if verdict is not None and verdict.first_step is not None:
@@ -80,7 +80,7 @@ def comparison_figure(result: Any):
                 ax_scale.plot(x[skipped], run.scale[skipped], "v", color=color, ms=5, mec="black", mew=0.5)
 
     _limit_loss_axis(ax_loss, finite_values)
-    ax_loss.set_ylabel(f"loss (EMA span {span}; raw faint)")
+    ax_loss.set_ylabel(f"loss ({smooth_label}; raw faint)")
     ax_loss.set_title(f"{result.task} on {result.device}: {result.description or ''}".rstrip(": "), fontsize=10)
     ax_loss.legend(loc="best", fontsize=8, framealpha=0.9)
     ax_loss.grid(alpha=0.3)

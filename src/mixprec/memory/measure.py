@@ -1,6 +1,6 @@
 """Measure what one real training step holds, component by component, beside the plan.
 
-The same components as ``mixprec.memory``, counted from the tensors that exist (unique storages,
+The same components as ``mixprec.memory.plan``, counted from the tensors that exist (unique storages,
 so views and ties count once):
 
 - weights: the model's parameters; masters: the strategy's own tensors (fp32 copies,
@@ -20,16 +20,15 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from mixprec.instruments.storage import LiveBytes, storage_bytes
 from mixprec.masters import fp32_param_names
-from mixprec.memory import ParamCounts
+from mixprec.memory.plan import ParamCounts
 from mixprec.recipes import Recipe, as_device, resolve_recipe
 from mixprec.tasks import Task, to_device
 from mixprec.training import MixedPrecision
@@ -80,18 +79,9 @@ def count_params(model: nn.Module, recipe: Recipe) -> ParamCounts:
     return ParamCounts(sum(p.numel() for p in params.values()), kept, sum(matmul.values()), frozen, frozen_kept, largest)
 
 
-def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (views and ties count once)."""
-    seen: dict[int, int] = {}
-    for t in tensors:
-        st = t.untyped_storage()
-        seen[st.data_ptr()] = st.nbytes()
-    return sum(seen.values())
-
-
 @dataclasses.dataclass
 class Measured:
-    """Bytes by component (keys as ``mixprec.memory.COMPONENTS``), and the peak of the measured step
+    """Bytes by component (keys as ``mixprec.memory.plan.COMPONENTS``), and the peak of the measured step
     (``peak_allocated``: the CUDA allocator's, or on CPU the tensor storages alive, see ``LiveBytes``)."""
 
     bytes: dict[str, int]
@@ -102,41 +92,6 @@ class Measured:
     def to_dict(self) -> dict[str, Any]:
         return {"bytes": dict(self.bytes), "params": dataclasses.asdict(self.counts),
                 "peak_allocated": self.peak_allocated, "device": self.device}
-
-
-class LiveBytes(TorchDispatchMode):
-    """Bytes of tensor storages made while the mode is on and still alive, and their peak: the
-    CPU's stand-in for ``torch.cuda.max_memory_allocated`` (every op that makes a new storage is
-    seen by the dispatcher; views and in-place ops make none; a storage counts until it is freed)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live = self.peak = 0
-        self._seen: set[int] = set()
-
-    def reset_peak(self) -> None:
-        self.peak = self.live
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        if func.is_view or func._schema.name.endswith("_") or any(a.is_out for a in func._schema.arguments):
-            return out  # no new storage
-        for t in out if isinstance(out, (tuple, list)) else [out]:
-            if isinstance(t, torch.Tensor):
-                st = t.untyped_storage()
-                key, n = st.data_ptr(), st.nbytes()
-                if n == 0 or key in self._seen:
-                    continue
-                self._seen.add(key)
-                self.live += n
-                self.peak = max(self.peak, self.live)
-                weakref.finalize(st, self._free, key, n)
-        return out
-
-    def _free(self, key: int, n: int) -> None:
-        if key in self._seen:
-            self.live -= n
-            self._seen.discard(key)
 
 
 def measure_step(task: Task, recipe: str | Recipe, optimizer: str = "adamw", device: str | torch.device | None = "cpu",

@@ -7,7 +7,7 @@
 - ``cuda_forward_delta``: allocated CUDA memory after the forward minus before it (gradients
   cleared): what the allocator really holds, workspace and all.
 - ``forward_delta``: the same on any device: on CUDA the allocator's figure, on the CPU the bytes
-  of the tensor storages the forward made and still holds (``mixprec.memory_measure.LiveBytes``,
+  of the tensor storages the forward made and still holds (``mixprec.instruments.storage.LiveBytes``,
   when the caller passes one that is on).
 """
 
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.bench.timing import synchronize
+from mixprec.instruments.timing import synchronize
 
 
 def _storage_key(t: torch.Tensor) -> tuple[str, int]:

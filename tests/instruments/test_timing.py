@@ -5,7 +5,7 @@ import collections
 import pytest
 import torch
 
-from mixprec.bench.timing import Summary, bootstrap_median_ci, interleaved_order, paired_ratio, time_call
+from mixprec.instruments.timing import Summary, bootstrap_median_ci, interleaved_order, paired_ratio, time_call
 
 
 def test_interleaved_order_runs_every_variant_once_per_round():

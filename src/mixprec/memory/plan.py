@@ -3,7 +3,7 @@
 Pure arithmetic, no torch: ``StorageFacts`` says what a recipe stores (``facts_from_recipe`` reads
 them off a ``Recipe`` and its master-weight strategy), ``ParamCounts`` how many parameters there
 are and of which kind, ``plan`` adds them up. ``mixprec memory`` prints the plan, and with
-``--measure`` the bytes one real step used (``mixprec.memory_measure``).
+``--measure`` the bytes one real step used (``mixprec.memory.measure``).
 
 The seed's figure: AdamW keeps two fp32 moments per parameter, so 7B parameters need
 7e9 * 2 * 4 B = 56 GB of optimizer state, whatever the recipe.

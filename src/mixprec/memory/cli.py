@@ -167,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
-    from mixprec.memory_measure import count_params, measure_step
+    from mixprec.memory.measure import count_params, measure_step
 
     results = []
     for recipe in recipes:

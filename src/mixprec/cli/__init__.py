@@ -16,8 +16,8 @@ import sys
 SUBCOMMANDS: dict[str, str] = {
     "compare": "mixprec.comparison.cli",  # the main job: does 16-bit training track fp32?
     "doctor": "mixprec.diagnostics.cli",
-    "recipes": "mixprec.recipes_cli",
-    "memory": "mixprec.memory_cli",
+    "recipes": "mixprec.cli.recipes",
+    "memory": "mixprec.memory.cli",
     "lint": "mixprec.lint.cli",
     "bench": "mixprec.bench.cli",
 }
