@@ -88,15 +88,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {problem}", file=sys.stderr)
         return 2
 
-    from rich.console import Console
-
     from mixprec.bench import tables
     from mixprec.bench.block import get_shape
     from mixprec.recipes import as_device, resolve_recipe
+    from mixprec.report.terminal import make_console
 
-    console = Console(log_path=False)
-    if not console.is_terminal:
-        console = Console(width=200, log_path=False)  # a piped table should not wrap every cell
+    console = make_console(log_path=False)
     try:
         device = as_device(args.device)
         if device.type == "cuda":
@@ -116,6 +113,9 @@ def run(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.threads)
     log = lambda msg: console.log(msg)  # noqa: E731
+    from mixprec.instruments.machine import describe, environment
+
+    console.print(f"machine: {describe(environment(device))}", highlight=False)  # every number names its machine
 
     if args.overhead:
         from mixprec.bench.overhead import run_overhead_suite
@@ -127,9 +127,8 @@ def run(args: argparse.Namespace) -> int:
             arms=("mixprec", "hand", "hand-plain") if args.plain else ("mixprec", "hand"), log=log,
         )
         headers, rows = tables.overhead_rows(doc)
-        console.print(tables.rich_table(f"MixedPrecision.step vs the hand-written torch.amp loop, shape {shape.describe()}",
-                                        headers, rows))
-        console.print("ratio = mixprec / hand per interleaved round: median [IQR]; < 1 means mixprec is faster.")
+        tables.print_table(console, f"MixedPrecision.step vs the hand-written torch.amp loop, shape {shape.describe()}",
+                           headers, rows, keep=2, legend=tables.OVERHEAD_LEGEND)
     else:
         from mixprec.bench.runner import plan_variants, run_bench
 
@@ -144,9 +143,10 @@ def run(args: argparse.Namespace) -> int:
                         peaks=not args.no_peak, peak_n=256 if shape.name == "tiny" else None, memory=not args.no_memory,
                         budget_s=args.budget_s, log=log)
         headers, rows = tables.bench_rows(doc)
-        console.print(tables.rich_table(f"reference block on {doc['env']['device_name']} ({device})", headers, rows))
+        tables.print_table(console, f"reference block on {doc['env']['device_name']} ({device})", headers, rows,
+                           legend=tables.BENCH_LEGEND)
         if doc["peaks"]:
-            console.print(tables.rich_table("measured matmul peaks", *tables.peak_rows(doc)))
+            tables.print_table(console, "measured matmul peaks", *tables.peak_rows(doc))
         for line in tables.roofline_lines(doc):
             console.print(line, highlight=False)
         settings = doc["settings"]
@@ -158,5 +158,7 @@ def run(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)
         console.print(f"wrote {args.json}")
+    for line in tables.errors_of(doc):
+        console.print(f"error: {line}", style="red", highlight=False)
     errors = [r for r in doc.get("results", doc.get("runs", [])) if r["status"] == "error"]
     return 1 if errors else 0

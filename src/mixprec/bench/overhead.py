@@ -27,7 +27,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mixprec.bench.block import RefBlock, Shape, loss_fn, make_batches
-from mixprec.bench.runner import Log, default_optimizer, environment, make_optimizer
+from mixprec.bench.runner import Log, default_optimizer, make_optimizer
+from mixprec.instruments.machine import environment
 from mixprec.instruments.timing import Summary, interleaved_order, paired_ratio, synchronize
 from mixprec.recipes import resolve_recipe
 from mixprec.training import MixedPrecision

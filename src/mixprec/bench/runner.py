@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import datetime
-import platform
-import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -24,6 +21,7 @@ from mixprec.bench.block import FLOP_FORMULA, RefBlock, Shape, block_flops, loss
 from mixprec.instruments.activations import measure_activation_memory
 from mixprec.bench.peak import measure_matmul_peak, peak_key, peak_keys, tf32
 from mixprec.instruments.timing import Summary, count_syncs, interleaved_order, paired_ratio, synchronize, time_call
+from mixprec.instruments.machine import environment
 from mixprec.instruments.storage import LiveBytes, storage_bytes
 from mixprec.recipes import list_recipes, resolve_recipe
 from mixprec.training import MixedPrecision
@@ -170,36 +168,6 @@ class Trainer:
                 self.step()
                 mem["peak_step"] = persistent + live.peak - before
         return mem
-
-
-def environment(device: torch.device) -> dict[str, Any]:
-    env = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "device": str(device),
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "threads": torch.get_num_threads(),
-        "command": " ".join(sys.argv),
-    }
-    if device.type == "cuda":
-        env["device_name"] = torch.cuda.get_device_name(device)
-        env["cuda"] = torch.version.cuda
-    else:
-        env["device_name"] = _cpu_name()
-    return env
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _baseline_for(v: Variant, labels: set[str]) -> str | None:

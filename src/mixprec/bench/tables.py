@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from rich.table import Table
-
 
 def _si(x: float | None, unit: str = "") -> str:
     if x is None:
@@ -33,17 +31,27 @@ def _mib(b: int | None) -> str:
 def _ratio(r: dict[str, float] | None) -> str:
     if not r:
         return "n/a"
-    return f"{r['median']:.3f} [{r['q25']:.3f}, {r['q75']:.3f}]"
+    return f"{r['median']:.3f} [{r['q25']:.3f}-{r['q75']:.3f}]"
+
+
+#: What the recipe table's short headers mean (printed under it).
+BENCH_LEGEND = (
+    "speedup = fp32's step time / this variant's (> 1: faster than fp32), median [IQR] over "
+    "interleaved rounds; % peak: achieved FLOP/s over the matmul peak of the compute dtype measured "
+    "in this run; ideal ms: the step's FLOPs at that peak; act saved: bytes autograd keeps for "
+    "backward; act: storages the forward makes and holds; peak: the step's peak memory (weights, "
+    "masters, optimizer state and the most one step holds above them); syncs: host syncs per step (CUDA)"
+)
 
 
 def bench_rows(doc: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
-    """Header and rows of the recipe table: one row per variant."""
-    headers = ["variant", "step ms (median)", "IQR %", "speedup vs fp32 [IQR]", "tokens/s", "FLOP/s",
-               "% of peak", "ideal ms", "saved act MiB", "act MiB", "step peak MiB", "syncs/step"]
+    """Header and rows of the recipe table: one row per variant (short headers: ``BENCH_LEGEND``)."""
+    headers = ["variant", "step ms", "IQR %", "speedup [IQR]", "tokens/s", "FLOP/s", "% peak", "ideal ms",
+               "act saved MiB", "act MiB", "peak MiB", "syncs"]
     rows = []
     for r in doc["results"]:
         if r["status"] != "ok":
-            rows.append([r["label"], f"{r['status']}: {_first_line(r['error'])}"] + [""] * (len(headers) - 2))
+            rows.append([r["label"], r["status"], _first_line(r["error"], 40)] + [""] * (len(headers) - 3))
             continue
         s, mem = r["step_s"], r.get("memory") or {}
         iqr = 100 * (s["q75"] - s["q25"]) / s["median"]
@@ -51,7 +59,7 @@ def bench_rows(doc: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
         rows.append([
             r["label"], _ms(s["median"]), f"{iqr:.1f}", _ratio(r.get("speedup_vs_fp32")),
             _si(r["tokens_per_s"]), _si(r["achieved_flops_per_s"]),
-            "n/a" if frac is None else f"{100 * frac:.1f} ({r['peak_key']})", _ms(r.get("ideal_s")),
+            "n/a" if frac is None else f"{100 * frac:.1f} {r['peak_key']}", _ms(r.get("ideal_s")),
             _mib(mem.get("saved_bytes")), _mib(mem.get("forward_delta")), _mib(mem.get("peak_step")),
             "n/a" if r.get("syncs_per_step") is None else f"{r['syncs_per_step']:g}",
         ])
@@ -69,19 +77,27 @@ def peak_rows(doc: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     return headers, rows
 
 
+OVERHEAD_LEGEND = (
+    "ratio = mixprec / hand: mixprec's time over the hand-written loop's per interleaved round, median [IQR] "
+    "(< 1: mixprec is faster); iter: the whole iteration (forward, backward, step), step: the step "
+    "alone; extra: what mixprec's step adds (microseconds, ATen ops) per step; vs plain: mixprec / "
+    "a plain loop without a scaler; param diff: max |mixprec - hand| of the parameters after the run"
+)
+
+
 def overhead_rows(doc: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
-    headers = ["recipe", "optimizer", "mixprec ms", "hand ms", "iteration ratio [IQR] (95% CI)", "step ratio [IQR]",
-               "extra us/step", "extra ops/step", "vs plain", "param diff"]
+    headers = ["recipe", "optimizer", "mixprec ms", "hand ms", "iter ratio [IQR]", "95% CI", "step ratio [IQR]",
+               "extra us", "extra ops", "vs plain", "param diff"]
     rows = []
     for run in doc["runs"]:
         if run["status"] != "ok":
-            rows.append([run["recipe"], run["optimizer"], f"error: {_first_line(run['error'])}"] + [""] * (len(headers) - 3))
+            rows.append([run["recipe"], run["optimizer"], "error", _first_line(run["error"], 40)] + [""] * (len(headers) - 4))
             continue
         ri = run["ratio_iteration"]
         rows.append([
             run["recipe"], run["optimizer"],
             _ms(run["arms"]["mixprec"]["iteration_s"]["median"]), _ms(run["arms"]["hand"]["iteration_s"]["median"]),
-            f"{_ratio(ri)} ({ri['ci95_low']:.3f}-{ri['ci95_high']:.3f})", _ratio(run["ratio_step"]),
+            _ratio(ri), f"{ri['ci95_low']:.3f}-{ri['ci95_high']:.3f}", _ratio(run["ratio_step"]),
             f"{run['extra_us_per_step']:.0f}",
             " ".join(f"{k.removeprefix('aten.')}{v:+d}" for k, v in run["extra_ops_per_step"].items()) or "0",
             _ratio(run.get("ratio_iteration_vs_plain")),
@@ -90,13 +106,22 @@ def overhead_rows(doc: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     return headers, rows
 
 
-def rich_table(title: str, headers: list[str], rows: list[list[str]]) -> Table:
-    table = Table(title=title)
-    for h in headers:
-        table.add_column(h, overflow="fold")
-    for row in rows:
-        table.add_row(*row)
-    return table
+def print_table(console: Any, title: str, headers: list[str], rows: list[list[str]], keep: int = 1,
+                legend: str | None = None) -> None:
+    """Print the rows as tables that fit the console's width (columns folded into several tables
+    rather than cells wrapped), then the legend."""
+    from mixprec.report.terminal import fitted_tables
+
+    for table in fitted_tables(headers, rows, console.width, title=title, keep=keep):
+        console.print(table)
+    if legend:
+        console.print(legend, style="dim", highlight=False)
+
+
+def errors_of(doc: dict[str, Any]) -> list[str]:
+    """'label: first line of the error' for every variant or run that failed (the table cuts them)."""
+    return [f"{r.get('label', r.get('recipe'))}: {_first_line(r['error'])}"
+            for r in doc.get("results", doc.get("runs", [])) if r.get("status") != "ok" and r.get("error")]
 
 
 def markdown_table(headers: list[str], rows: list[list[str]]) -> str:

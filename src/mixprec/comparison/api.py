@@ -19,6 +19,7 @@ import torch
 
 import mixprec
 from mixprec.comparison.runner import ProgressFn, RunResult, check_task, run_recipe
+from mixprec.instruments.machine import environment
 from mixprec.comparison.verdict import Band, Verdict, VerdictRule, fp32_band, judge
 from mixprec.recipes import Recipe, as_device, resolve_recipe
 from mixprec.tasks import Task, load_task
@@ -96,6 +97,12 @@ class ComparisonResult:
             return 1.0
         return run.median_step_s / self.fp32_step_s
 
+    def speedup(self, recipe: str) -> float:
+        """``fp32_step_s`` over ``recipe``'s median step time: > 1 means faster than fp32 (the
+        convention every mixprec table uses). Indicative: the runs happen one after another, so
+        load that drifts between them moves it; ``mixprec bench`` interleaves its variants."""
+        return 1.0 / self.step_time_ratio(recipe)
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "mixprec_compare": 1,
@@ -112,6 +119,8 @@ class ComparisonResult:
             "step_time_ratio_vs_fp32": {
                 r.recipe: _round(self.step_time_ratio(r.recipe)) for r in self.runs if r.role != "noise"
             },
+            "speedup_vs_fp32": {r.recipe: _round(self.speedup(r.recipe)) for r in self.runs if r.role != "noise"},
+            "machine": environment(self.device),
             "band": None if self.band is None else {
                 "center": self.band.center.tolist(),
                 "width": self.band.width.tolist(),

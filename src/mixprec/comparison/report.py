@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from mixprec.comparison.verdict import ema
+from mixprec.instruments.machine import describe, environment
 from mixprec.report.outdir import check_writable_dir
 
 FILES = {"html": "compare.html", "png": "compare.png", "json": "compare.json", "csv": "compare.csv"}
@@ -62,7 +63,7 @@ def summary_rows(result: Any) -> list[dict[str, Any]]:
             "final_loss": _tail_mean(run.loss),
             # the fp32 row shows the baseline the ratios divide by: all fp32 seeds pooled
             "step_ms": (result.fp32_step_s if run.role == "reference" else run.median_step_s) * 1e3,
-            "vs_fp32": result.step_time_ratio(run.recipe),
+            "speedup": result.speedup(run.recipe),
             "skipped": run.skipped_steps if run.loss_scaling != "none" else None,
             "peak_mib": None if run.peak_memory_bytes is None else run.peak_memory_bytes / 2**20,
             "message": verdict.message if verdict else "the reference: fp32 from seed 0",
@@ -76,14 +77,17 @@ def _fmt(value: Any, spec: str, missing: str = "-") -> str:
     return format(value, spec)
 
 
-_HEADERS = ["recipe", "verdict", "gap/band", "last-10 loss", "step ms", "vs fp32", "skipped", "peak MiB"]
+_HEADERS = ["recipe", "verdict", "gap/band", "last-10 loss", "step ms", "speedup", "skipped", "peak MiB"]
+#: The one speed convention of every mixprec table, said under the table.
+SPEEDUP_NOTE = ("speedup = fp32's median step time / this recipe's (> 1: faster than fp32); indicative, the "
+                "runs went one after another: 'mixprec bench' times recipes interleaved")
 
 
 def _cells(row: dict[str, Any]) -> list[str]:
     verdict = row["verdict"] + (f" @{row['from_step']}" if row["from_step"] is not None else "")
     return [
         row["recipe"], verdict, _fmt(row["ratio"], ".2f"), _fmt(row["final_loss"], ".5g"),
-        _fmt(row["step_ms"], ".1f"), _fmt(row["vs_fp32"], ".2f", "-") + "x", _fmt(row["skipped"], "d"),
+        _fmt(row["step_ms"], ".1f"), _fmt(row["speedup"], ".2f", "-") + "x", _fmt(row["skipped"], "d"),
         _fmt(row["peak_mib"], ".1f", "n/a"),
     ]
 
@@ -110,6 +114,7 @@ def print_summary(result: Any, console: Any = None) -> None:
         mark = "[green]ok[/green]" if row["ok"] else "[bold red]FAIL[/bold red]"
         console.print(f"  {mark} [bold]{row['recipe']}[/bold] {row['verdict']}: {row['message']}", highlight=False)
     console.print(f"[dim]rule: {result.rule.summary(result.steps)}[/dim]", highlight=False)
+    console.print(f"[dim]{SPEEDUP_NOTE}; machine: {describe(environment(result.device))}[/dim]", highlight=False)
     if result.files:
         console.print(f"report: {result.files['html']}  (data: {result.files['json']}, {result.files['csv']})")
 
@@ -155,6 +160,7 @@ def _write_html(result: Any, png: bytes, path: str) -> None:
     rows = summary_rows(result)
     page.table(_HEADERS + ["why"], [_cells(r) + [r["message"]] for r in rows],
                classes=[None if r["verdict"] == "reference" else "ok" if r["ok"] else "bad" for r in rows])
+    page.paragraph(f"{SPEEDUP_NOTE}. Machine: {describe(environment(result.device))}.")
     page.image(png, caption=(
         "Top: smoothed loss of each recipe over the shaded fp32 noise band (raw losses faint). "
         "Bottom: the loss scale of recipes with a scaler, triangles at skipped steps."

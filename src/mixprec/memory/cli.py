@@ -181,33 +181,31 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({"shape": shape.__dict__ if shape else None, "plans": out}, indent=2))
         return 0
 
-    from rich.table import Table
-
-    from mixprec.report.terminal import make_console
+    from mixprec.report.terminal import fitted_tables, make_console
 
     console = make_console()
     n = results[0][0].counts.total
     frozen_n = results[0][0].counts.frozen
     title = (f"memory plan: {n:,} parameters" + (f" ({n - frozen_n:,} trainable)" if frozen_n else "")
              + f", {args.optimizer}" + (f", measured on {task.name}" if args.measure else ""))
-    table = Table(title=title, caption="cells: bytes (bytes per parameter)")
-    table.add_column("component")
+    headers = ["component"]
     for p, m in results:
-        table.add_column(p.recipe, justify="right")
+        headers.append(p.recipe)
         if m is not None:
-            table.add_column("measured", justify="right")
+            headers.append("measured")
 
     def cell(value: float, bold: bool = False) -> str:
         text = f"{_human(value)} ({value / n:.2f})" if n else _human(value)
         return f"[bold]{text}[/bold]" if bold else text
 
+    rows = []
     for comp in COMPONENTS:
         row = [comp]
         for p, m in results:
             row.append(cell(p.bytes[comp]))
             if m is not None:
                 row.append(cell(m.bytes[comp]))
-        table.add_row(*row)
+        rows.append(row)
     for label in ("persistent", "peak"):
         row = [f"[bold]{label}[/bold]"]
         for p, m in results:
@@ -218,8 +216,12 @@ def run(args: argparse.Namespace) -> int:
                 else:
                     value = m.peak_allocated
                 row.append(cell(value, bold=True) if value else "")
-        table.add_row(*row)
-    console.print(table)
+        rows.append(row)
+    # recipes (and their measured twins) are columns: as many per table as the terminal holds
+    justify = {i: "right" for i in range(1, len(headers))}
+    for table in fitted_tables(headers, rows, console.width, title=title,
+                               caption="cells: bytes (bytes per parameter)", justify=justify):
+        console.print(table)
     for note in sorted({note for p, _ in results for note in p.notes}):
         console.print(f"  note: {note}")
     console.print("  peak = persistent + max(forward/backward: gradients (+ accumulators) + autocast copies + activations "

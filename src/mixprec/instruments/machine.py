@@ -1,0 +1,73 @@
+"""What machine a number was measured on: every benchmark and comparison records it.
+
+Machines of one kind differ (an AMD EPYC with AVX2 only, an Intel Xeon with AVX-512 and AMX, where
+bf16 matmuls run at many times the fp32 rate): a time without its CPU model, SIMD features, thread
+count, torch version and date says little.
+"""
+
+from __future__ import annotations
+
+import datetime
+import platform
+import sys
+from typing import Any
+
+import torch
+
+# CPU features that decide 16-bit matmul speed on x86 (the /proc/cpuinfo flag names)
+FEATURES = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_fp16", "amx_int8")
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cpu_features() -> list[str]:
+    """The ``FEATURES`` this CPU reports (empty where /proc/cpuinfo is not there)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(next((line for line in f if line.startswith("flags")), "").split())
+    except OSError:
+        return []
+    return [f for f in FEATURES if f in flags]
+
+
+def environment(device: torch.device | str = "cpu") -> dict[str, Any]:
+    """Date, versions, the device and (on CPU) its model, features, torch's kernel choice and threads."""
+    device = torch.device(device)
+    env = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "device": str(device),
+        "cpu": cpu_name(),
+        "cpu_features": cpu_features(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "threads": torch.get_num_threads(),
+        "command": " ".join(sys.argv),
+    }
+    if device.type == "cuda":
+        env["device_name"] = torch.cuda.get_device_name(device)
+        env["cuda"] = torch.version.cuda
+    else:
+        env["device_name"] = env["cpu"]
+    return env
+
+
+def describe(env: dict[str, Any]) -> str:
+    """One line: ``Intel(R) Xeon(R) ... (avx2 avx512f amx_bf16; torch kernels AVX512), 2 threads, torch 2.13.0, 2026-12-01``."""
+    feats = " ".join(env.get("cpu_features") or []) or "no AVX2"
+    where = env.get("device_name", env.get("cpu", "?"))
+    if str(env.get("device", "cpu")).startswith("cuda"):
+        where += f" (CUDA {env.get('cuda')}; host CPU {env.get('cpu', '?')})"
+    else:
+        where += f" ({feats}; torch kernels {env.get('cpu_capability', '?')})"
+    return f"{where}, {env.get('threads', '?')} threads, torch {env.get('torch', '?')}, {str(env.get('date', ''))[:10]}"
