@@ -6,9 +6,12 @@
 #   DEVICE=cpu QUICK=1 NOCOMPILE=1 bash benchmarks/gpu/run.sh   # dry run on a CPU: tiny shapes
 #
 # Every part runs under its own time limit and inside one shared budget (BUDGET seconds, default
-# 470); a part that fails or runs out of time is logged and the next one runs. Files in $OUT (8 at
-# most come back from the device tool): run.log, bench_eager.json, overhead.json, overhead_ref.json,
-# compile_main.json, masters_step.json, compile_more.json, summary.md.
+# 470). If the first part (env: python, torch, the device) fails, nothing else can run: the script
+# stops at once with exit 1. A later part that fails or runs out of time is logged and the next one
+# runs (one GPU run is precious: keep what can be had), and the script ends with a status line per
+# part and exit 1 when any part failed, so a broken run is never read as a good one. Files in $OUT
+# (8 at most come back from the device tool): run.log, bench_eager.json, overhead.json,
+# overhead_ref.json, compile_main.json, masters_step.json, compile_more.json, summary.md.
 set -u
 cd "$(dirname "$0")/../.." || exit 1
 ROOT=$PWD
@@ -23,6 +26,8 @@ export PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 LOG=$OUT/run.log
 : > "$LOG"
 START=$(date +%s)
+STATUS=()   # "name: ok|FAILED rc=N|TIME LIMIT|skipped" per part, in order
+FAILED=0
 if [ "$QUICK" = 1 ]; then
   SHAPE=tiny; SMALL=tiny; REPS=2; OREPS=3; MROUNDS=2; EXTRA="--threads 1"
 else
@@ -36,6 +41,7 @@ part() {  # part NAME LIMIT_S MIN_S COMMAND...: run COMMAND under min(LIMIT_S, b
   local left=$(( BUDGET - ($(date +%s) - START) ))
   if [ "$left" -lt "$min" ]; then
     echo "--- $name: skipped, ${left}s of ${BUDGET}s left" | tee -a "$LOG"
+    STATUS+=("$name: skipped (budget)")
     return 0
   fi
   [ "$limit" -gt "$left" ] && limit=$left
@@ -53,9 +59,22 @@ part() {  # part NAME LIMIT_S MIN_S COMMAND...: run COMMAND under min(LIMIT_S, b
   local note=""
   [ "$rc" = 124 ] && note=" (time limit)"
   echo "--- $name: rc=$rc in $(( $(date +%s) - t0 ))s$note" | tee -a "$LOG"
+  # pytest's 5 is "no tests collected": the CUDA tests on a CPU dry run
+  if [ "$rc" = 0 ] || { [ "$rc" = 5 ] && [ "$name" = cuda-tests ]; }; then
+    STATUS+=("$name: ok")
+  else
+    FAILED=1
+    if [ "$rc" = 124 ]; then STATUS+=("$name: TIME LIMIT"); else STATUS+=("$name: FAILED rc=$rc"); fi
+    echo "!!! $name FAILED (rc=$rc): see $LOG" >&2
+    tail -n 15 "$LOG" >&2
+  fi
+  return "$rc"
 }
 
-part env 30 5 bash -c "$PY -c 'import sys, torch; print(sys.version); print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.get_device_name(0) if torch.cuda.is_available() else \"no CUDA\")'; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv 2>/dev/null || true"
+part env 30 5 bash -c "set -e; $PY -c 'import sys, torch; print(sys.version); print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.get_device_name(0) if torch.cuda.is_available() else \"no CUDA\")'; $PY -c 'import mixprec; print(\"mixprec\", mixprec.__version__)'; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv 2>/dev/null || true" || {
+  echo "!!! the environment is broken (python, torch or mixprec cannot start): nothing else can run; stopping" | tee -a "$LOG" >&2
+  exit 1
+}
 # rc 5 = no CUDA tests collected
 part cuda-tests 150 30 $PY -m pytest -m cuda -q -p no:cacheprovider -rs
 part eager 120 40 $BENCH --shape $SHAPE --reps $REPS --steps-per-rep 3 --tf32 both --budget-s @BUDGET@ --json "$OUT/bench_eager.json" --markdown
@@ -71,4 +90,10 @@ if [ "$NOCOMPILE" != 1 ]; then
   part compile-more 150 60 $BENCH --shape $SHAPE --compile on --tf32 both --reps $REPS --steps-per-rep 3 --budget-s @BUDGET@ --json "$OUT/compile_more.json" --markdown
 fi
 echo "total $(( $(date +%s) - START ))s of ${BUDGET}s" | tee -a "$LOG"
-timeout -k 5 30 $PY benchmarks/gpu/summary.py "$OUT"
+timeout -k 5 30 $PY benchmarks/gpu/summary.py "$OUT" || { FAILED=1; STATUS+=("summary: FAILED"); }
+echo "== parts" | tee -a "$LOG"
+for s in "${STATUS[@]}"; do echo "  $s" | tee -a "$LOG"; done
+if [ "$FAILED" != 0 ]; then
+  echo "!!! at least one part failed: the numbers above are incomplete (exit 1)" | tee -a "$LOG" >&2
+  exit 1
+fi

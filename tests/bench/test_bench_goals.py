@@ -95,3 +95,46 @@ def test_gpu_script_dry_run_on_cpu_finishes_every_part(tmp_path):
                                                       "overhead_ref.json", "masters_step.json", "summary.md"}
     assert "## goals" in proc.stdout and "## master-weight step work" in proc.stdout
     assert "--budget-s" in log  # the bench parts plan for their time limit
+
+
+def _stub_python(tmp_path, fail_on: str, real: str) -> str:
+    """A 'python' for run.sh: the real one for the environment check and the summary, instant
+    success for the CUDA tests and benchmarks, exit 3 for commands containing ``fail_on``."""
+    stub = tmp_path / "python"
+    stub.write_text(f"""#!/usr/bin/env bash
+case "$*" in
+  *"{fail_on}"*) echo "stub: failing on purpose" >&2; exit 3;;
+  *"-m pytest"*|*"-m mixprec bench"*|*masters_step.py*) exit 0;;
+  *) exec {real} "$@";;
+esac
+""")
+    stub.chmod(0o755)
+    return str(stub)
+
+
+def _run_gpu_script(tmp_path, python: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "DEVICE": "cpu", "QUICK": "1", "NOCOMPILE": "1", "OUT": str(tmp_path / "out"),
+           "PYTHON": python}
+    return subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu" / "run.sh")], env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_gpu_script_stops_at_once_with_exit_1_when_the_environment_is_broken(tmp_path):
+    proc = _run_gpu_script(tmp_path, "false")  # no python at all
+    assert proc.returncode == 1
+    assert "nothing else can run" in proc.stderr
+    assert "=== cuda-tests" not in (tmp_path / "out" / "run.log").read_text()
+
+
+def test_gpu_script_runs_every_part_but_exits_1_and_names_the_part_that_failed(tmp_path):
+    import sys
+
+    proc = _run_gpu_script(tmp_path, _stub_python(tmp_path, "--overhead --shape tiny --recipes fp32", sys.executable))
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    log = (tmp_path / "out" / "run.log").read_text()
+    assert "  overhead: FAILED rc=3" in log and "  overhead-ref: ok" in log and "  masters-step: ok" in log
+    assert "!!! overhead FAILED" in proc.stderr
+    ok = _run_gpu_script(tmp_path, _stub_python(tmp_path, "nothing-matches-this", sys.executable))
+    assert ok.returncode == 0, ok.stdout[-2000:] + ok.stderr[-2000:]
+    assert all(f"  {p}: ok" in (tmp_path / "out" / "run.log").read_text()
+               for p in ("env", "cuda-tests", "eager", "overhead", "overhead-ref", "masters-step"))

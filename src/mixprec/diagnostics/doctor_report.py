@@ -147,7 +147,8 @@ def figures(report: "DoctorReport") -> dict[str, tuple[bytes, str]]:
                     100 * r[0].landing(fmt, ev.grads.recommended_scale).zero for r in rows]
             out["grad_underflow.png"] = (
                 bars_png([r[0].name for r in rows], series, title="Parameter gradients flushed to zero in fp16, per module",
-                         xlabel="% of nonzero values that become 0"),
+                         xlabel="% of nonzero values that become 0",
+                         empty_text="nothing underflows: no parameter gradient becomes 0 in fp16 at these scales"),
                 "share of each module's parameter gradient values that would become 0 in fp16 at each loss scale",
             )
     if ev.activations is not None and ev.activations.entries:

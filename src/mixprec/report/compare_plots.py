@@ -7,6 +7,7 @@ scale of recipes that use a scaler, on a log axis, with skipped steps marked.
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Callable
 from typing import Any
 
@@ -36,8 +37,13 @@ def comparison_figure(result: Any, smooth: Callable[[Any], np.ndarray], smooth_l
 
     if band is not None:
         xb = np.arange(1, len(band.center) + 1)
-        ax_loss.fill_between(xb, band.lower, band.upper, color="0.6", alpha=0.35, lw=0, label="fp32 noise band")
-        finite_values += [band.lower, band.upper]
+        lower = band.lower
+        fp32_losses = np.concatenate([r.loss for r in result.runs if r.role in ("reference", "noise")])
+        fp32_losses = fp32_losses[np.isfinite(fp32_losses)]
+        if len(fp32_losses) and fp32_losses.min() >= 0:  # a loss that cannot go below 0 (cross-entropy, MSE)
+            lower = np.maximum(lower, 0.0)  # draws no band there either
+        ax_loss.fill_between(xb, lower, band.upper, color="0.6", alpha=0.35, lw=0, label="fp32 noise band")
+        finite_values += [lower, band.upper]
     for run in result.noise:
         if np.isfinite(run.loss).all():
             ax_loss.plot(np.arange(1, len(run.loss) + 1), smooth(run.loss), color="0.45", lw=0.8, ls="--")
@@ -48,6 +54,7 @@ def comparison_figure(result: Any, smooth: Callable[[Any], np.ndarray], smooth_l
         ax_loss.plot(x_ref, smooth(ref.loss), color="black", lw=3.2, label="fp32 (seed 0, reference)")
 
     scaled_any = False
+    annotated = 0
     for i, run in enumerate(r for r in result.runs if r.role == "candidate"):
         color = _COLORS[i % len(_COLORS)]
         verdict = result.verdicts.get(run.recipe)
@@ -66,11 +73,12 @@ def comparison_figure(result: Any, smooth: Callable[[Any], np.ndarray], smooth_l
             ax_loss.plot([], [], color=color, lw=1.6, label=f"{run.label}: {status}")
         if verdict is not None and verdict.first_step is not None:
             ax_loss.axvline(verdict.first_step, color=color, lw=1.0, ls=":")
-            ax_loss.annotate(
+            ax_loss.annotate(  # stacked downwards: recipes failing at the same step must not overprint
                 f"{run.label}\n{status} @ {verdict.first_step}", xy=(verdict.first_step, 1.0),
-                xycoords=("data", "axes fraction"), xytext=(3, -4), textcoords="offset points",
+                xycoords=("data", "axes fraction"), xytext=(3, -4 - 24 * annotated), textcoords="offset points",
                 va="top", fontsize=8, color=color,
             )
+            annotated += 1
         if run.loss_scaling != "none" and len(run.scale):
             scaled_any = True
             skipped = np.flatnonzero(run.skipped)
@@ -81,7 +89,8 @@ def comparison_figure(result: Any, smooth: Callable[[Any], np.ndarray], smooth_l
 
     _limit_loss_axis(ax_loss, finite_values)
     ax_loss.set_ylabel(f"loss ({smooth_label}; raw faint)")
-    ax_loss.set_title(f"{result.task} on {result.device}: {result.description or ''}".rstrip(": "), fontsize=10)
+    title = f"{result.task} on {result.device}: {result.description or ''}".rstrip(": ")
+    ax_loss.set_title(textwrap.fill(title, 120), fontsize=10)
     ax_loss.legend(loc="best", fontsize=8, framealpha=0.9)
     ax_loss.grid(alpha=0.3)
 

@@ -78,9 +78,18 @@ def bars_png(
     log: bool = False,
     limit: float | None = None,
     limit_label: str = "",
+    empty_text: str = "every value is 0",
 ) -> bytes:
-    """Grouped horizontal bars: one row per label, one bar per series; an optional vertical limit line."""
+    """Grouped horizontal bars: one row per label, one bar per series; an optional vertical limit
+    line. When every value is 0 the figure says ``empty_text`` instead of drawing an empty axis."""
     n = len(labels)
+    if not any(v for values in series.values() for v in values):
+        fig, ax = new_figure(width=9.0, height=2.0)
+        ax.text(0.5, 0.5, empty_text, ha="center", va="center", transform=ax.transAxes, fontsize=11)
+        ax.set_title(title)
+        ax.set_axis_off()
+        fig.tight_layout()
+        return figure_to_png(fig)
     k = max(len(series), 1)
     fig, ax = new_figure(width=9.0, height=max(2.2, 0.32 * n * k + 1.2))
     h = 0.8 / k
@@ -103,10 +112,10 @@ def bars_png(
 
 def scale_history_png(scales: Sequence[float], skipped: Sequence[bool], *, title: str = "Loss scale per step") -> bytes:
     fig, ax = new_figure(width=8.0, height=3.2)
-    steps = list(range(len(scales)))
+    steps = list(range(1, len(scales) + 1))  # step 1 is the first, as every text says
     ax.step(steps, scales, where="post", color="#1a73e8", lw=1.5, label="scale used")
-    bad = [i for i in steps if skipped[i]]
-    ax.scatter(bad, [scales[i] for i in bad], color="#d93025", zorder=3, s=22, label="skipped (overflow)")
+    bad = [i + 1 for i in range(len(scales)) if skipped[i]]
+    ax.scatter(bad, [scales[i - 1] for i in bad], color="#d93025", zorder=3, s=22, label="skipped (overflow)")
     ax.set_yscale("log", base=2)
     ax.xaxis.get_major_locator().set_params(integer=True)
     ax.set_xlabel("step")

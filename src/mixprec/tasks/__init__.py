@@ -78,10 +78,14 @@ def to_device(obj: Any, device: torch.device) -> Any:
 
 
 BUILTIN = "mixprec.tasks.charlm:make_task"
+#: Tasks shipped with mixprec, by short name (``--task fragile``): the default, and one where unsafe
+#: recipes visibly fail (``mixprec.tasks.fragile``).
+BUILTINS = {"charlm": BUILTIN, "fragile": "mixprec.tasks.fragile:make_task"}
 
 
 def load_task(spec: str | Task | Callable[..., Task] | None = None, **kwargs: Any) -> Task:
-    """Resolve a task: None (the built-in char-level GPT), a ``Task``, a factory, or ``"module:function"``.
+    """Resolve a task: None (the built-in char-level GPT), a ``Task``, a factory, ``"module:function"``,
+    or the short name of a built-in task (``BUILTINS``: ``"charlm"``, ``"fragile"``).
 
     Keyword arguments go to the factory. Raises ``TaskError`` with what went wrong and how to fix it.
     """
@@ -90,6 +94,7 @@ def load_task(spec: str | Task | Callable[..., Task] | None = None, **kwargs: An
     if spec is None:
         spec = BUILTIN
     if isinstance(spec, str):
+        spec = BUILTINS.get(spec, spec)
         factory = import_factory(spec)
         label = spec
     elif callable(spec):
@@ -125,7 +130,8 @@ def _accepts(fn: Callable[..., Any], kwargs: dict[str, Any]) -> bool:
 
 def import_factory(spec: str) -> Callable[..., Task]:
     if ":" not in spec:
-        raise TaskError(f"task {spec!r} must look like 'package.module:function' (a colon before the function name)")
+        raise TaskError(f"task {spec!r} must look like 'package.module:function' (a colon before the function name), "
+                        f"or be a built-in task: {', '.join(BUILTINS)}")
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
         raise TaskError(f"task {spec!r} must look like 'package.module:function'")
@@ -146,4 +152,4 @@ def import_factory(spec: str) -> Callable[..., Task]:
     return factory  # type: ignore[return-value]
 
 
-__all__ = ["Task", "TaskError", "load_task", "import_factory", "to_device", "BUILTIN"]
+__all__ = ["Task", "TaskError", "load_task", "import_factory", "to_device", "BUILTIN", "BUILTINS"]
