@@ -44,8 +44,11 @@ class StepStats:
         loss: the unscaled fp32 loss (at an accumulation boundary: the mean over the window).
         grad_norm: total gradient norm before clipping (None unless clipping or ``track_grad_norm``).
         scale: the loss scale this step's backward used (1.0 without a scaler).
-        skipped: 0-d bool; True when the optimizer step was skipped for inf/NaN gradients.
-        stepped: False for an accumulation micro-step (no optimizer step was attempted).
+        skipped: 0-d bool; True when the optimizer step was attempted and skipped for inf/NaN
+            gradients (parameters and optimizer state left as they were).
+        stepped: whether an optimizer step was *attempted* at this call: False for an accumulation
+            micro-step. So ``stepped=True, skipped=True`` is a step that was due and skipped; the
+            update was applied when ``stepped and not skipped``.
         step: optimizer steps attempted so far, skipped ones included.
     """
 

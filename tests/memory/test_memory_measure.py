@@ -88,6 +88,14 @@ def test_cli_counts_a_model_and_applies_the_fp32_rule(capsys):
     assert result["params"]["total"] > result["params"]["fp32_kept"] > 0
 
 
+def test_cli_with_a_model_does_not_ask_for_a_model_even_when_a_recipe_keeps_nothing_fp32(capsys):
+    # bf16-pure keeps no parameter in fp32: 0 kept is the model's true count, not a missing model
+    assert main(["memory", "--model", "mixprec.tasks.charlm:CharGPT", "--recipe", "all"]) == 0
+    assert "pass a model" not in capsys.readouterr().out
+    assert main(["memory", "--params", "7B", "--recipe", "bf16-true"]) == 0
+    assert "pass a model to apply the fp32 rule" in capsys.readouterr().out
+
+
 def test_cli_measure_puts_measured_bytes_beside_the_plan(capsys):
     args = ["memory", "--measure", "--recipe", "bf16-true", "--json", "--batch", "16", "--seq", "64",
             "--d-model", "64", "--layers", "2", "--heads", "4", "--vocab", "96"]

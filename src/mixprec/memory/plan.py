@@ -280,7 +280,7 @@ def plan(
     notes = []
     if counts.matmul_weights is None and facts.autocast and not stores_16bit:
         notes.append("autocast copies assume every parameter is a matmul weight (an upper bound)")
-    if stores_16bit and counts.fp32_kept == 0:
+    if stores_16bit and counts.fp32_kept == 0 and counts.matmul_weights is None:  # a bare count, not a model
         notes.append("every parameter counted as stored in 16 bits (pass a model to apply the fp32 rule)")
     if t16 > facts.bucket_numel > 0 and not counts.largest and facts.step_value_bytes + facts.step_temp_bytes:
         notes.append(f"the master-weight step is planned in buckets of {facts.bucket_numel:,} parameters; a larger "
