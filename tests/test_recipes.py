@@ -35,7 +35,7 @@ def test_jmp_policy_strings_become_recipes(text, scaling, compute):
 
 
 def test_unknown_recipe_lists_what_is_accepted():
-    with pytest.raises(ValueError, match="Unknown recipe 'bf16-mixd'; expected one of auto, fp32, bf16-mixed, fp16-mixed.*mixprec recipes"):
+    with pytest.raises(ValueError, match=r"Unknown recipe 'bf16-mixd'. Did you mean 'bf16-mixed'\? Expected one of auto, fp32, bf16-mixed, fp16-mixed.*mixprec recipes"):
         resolve_recipe("bf16-mixd", "cpu")
     with pytest.raises(ValueError, match="Unknown dtype 'bf61'"):
         resolve_recipe("p=f32,c=bf61", "cpu")

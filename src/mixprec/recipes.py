@@ -262,10 +262,25 @@ def get_recipe(name: str) -> Recipe:
     raise ValueError(_unknown_message(name))
 
 
+def _did_you_mean(name: str) -> str:
+    """`` Did you mean 'bf16-mixed'?`` for a near miss (``bf61-mixed``, ``bf16_mixed``), else ""."""
+    import difflib
+
+    key = name.strip().lower().replace("_", "-").replace(" ", "-")
+    candidates = sorted(set(_ALIASES) | {"auto"})
+    if key in _ALIASES:
+        return f" Did you mean {_ALIASES[key]!r}?"
+    scored = sorted(((difflib.SequenceMatcher(None, key, c).ratio(), c) for c in candidates), reverse=True)
+    best = scored[0][0] if scored else 0.0
+    # the closest name, and another only when it is as close (bf61-mixed: bf16-mixed or fp16-mixed)
+    names = list(dict.fromkeys(_ALIASES.get(c, c) for r, c in scored if r >= 0.75 and r >= best - 1e-9))
+    return f" Did you mean {' or '.join(repr(n) for n in names)}?" if names else ""
+
+
 def _unknown_message(name: str) -> str:
     canon = ", ".join(r.name for r in list_recipes())
     return (
-        f"Unknown recipe {name!r}; expected one of auto, {canon} (aliases: "
+        f"Unknown recipe {name!r}.{_did_you_mean(name)} Expected one of auto, {canon} (aliases: "
         f"{', '.join(a for a in sorted(_ALIASES) if a not in _REGISTRY)}), or a jmp policy string "
         "such as 'p=f32,c=bf16,o=f32'. Run 'mixprec recipes' to see them all."
     )
@@ -274,10 +289,11 @@ def _unknown_message(name: str) -> str:
 def _from_policy_string(text: str) -> Recipe:
     try:
         policy = get_policy(text)
-    except ValueError as e:
+    except ValueError:
         if "=" in text:
             raise
-        raise ValueError(_unknown_message(text) + f" ({e})") from None
+        # not a name and not a policy with keys: the policy parser's complaint would only confuse
+        raise ValueError(_unknown_message(text)) from None
     if policy.param_dtype != _F32:
         stored = get_format(policy.param_dtype)
         if not stored.is_16bit or policy.compute_dtype != policy.param_dtype:

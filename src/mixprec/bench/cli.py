@@ -103,7 +103,14 @@ def run(args: argparse.Namespace) -> int:
                 raise ValueError(f"device {args.device!r} asked for, but CUDA is not available here; use --device cpu")
         shape = get_shape(args.shape or ("ref" if device.type == "cuda" else "small" if args.overhead else "cpu"))
         for r in args.recipes or ():
-            resolve_recipe(r, device)
+            recipe = resolve_recipe(r, device)
+            if args.overhead and recipe.stores_16bit:
+                raise ValueError(
+                    f"--overhead times mixprec's step against the same loop written by hand with torch.amp "
+                    f"(autocast + GradScaler), which has no master weights: {recipe.name!r} stores weights in "
+                    "16 bits and has no hand-written twin. Time it with 'mixprec bench --recipes "
+                    f"{recipe.name}' (against fp32 and the other recipes), or give --overhead a -mixed recipe"
+                )
     except (ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -11,6 +11,7 @@ import argparse
 import importlib
 import os
 import sys
+import warnings
 
 # subcommand -> module. The order here is the order in --help.
 SUBCOMMANDS: dict[str, str] = {
@@ -49,11 +50,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:  # noqa: ANN001
+    print(f"warning: {message}", file=file or sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     # The console script, unlike 'python -m', does not put the working directory on sys.path;
     # '--task my_module:make_task' (compare, doctor, memory) should find my_module.py where the user stands.
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
+    # a command's warnings are messages to its user: one line each, not Python's source excerpts
+    shown, warnings.showwarning = warnings.showwarning, _show_warning
+    try:
+        return _main(argv)
+    finally:
+        warnings.showwarning = shown
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if getattr(args, "_run", None) is None:

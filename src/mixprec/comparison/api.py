@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import platform
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -48,6 +49,8 @@ class ComparisonResult:
         wall_s: the whole comparison.
         threads: torch's CPU threads during the runs.
         files: report files written (name -> path), when ``out`` was given.
+        write_error: why the report could not be written to ``out`` (the results are all here:
+            ``result.write(other_dir)``), else None.
     """
 
     task: str
@@ -61,6 +64,15 @@ class ComparisonResult:
     wall_s: float
     threads: int = 0
     files: dict[str, str] = dataclasses.field(default_factory=dict)
+    write_error: str | None = None
+
+    def write(self, out: str) -> dict[str, str]:
+        """Write the report (HTML, PNG, JSON, CSV) into ``out``; returns name -> path."""
+        from mixprec.comparison.report import write_report
+
+        self.files = write_report(self, out)
+        self.write_error = None
+        return self.files
 
     @property
     def ok(self) -> bool:
@@ -147,6 +159,14 @@ def _resolve_all(recipes: Sequence[str | Recipe], device: torch.device) -> list[
     resolved: list[Recipe] = []
     for spec in recipes:
         recipe = resolve_recipe(spec, device)
+        out = recipe.policy.output_dtype
+        if isinstance(spec, str) and "=" in spec and out in (torch.float16, torch.bfloat16):
+            warnings.warn(
+                f"policy {spec!r} means {recipe.policy}: the model's output, and so the loss, is "
+                f"{str(out).removeprefix('torch.')} (jmp's grammar: output defaults to compute). For the usual "
+                f"mixed recipe write o=f32: {str(recipe.policy).rsplit(',', 1)[0]},o=f32",
+                UserWarning, stacklevel=3,
+            )
         if all(r.name != recipe.name for r in resolved):
             resolved.append(recipe)
     if not resolved:
@@ -259,9 +279,12 @@ def compare(
     )
     result.wall_s = time.perf_counter() - t_start
     if out is not None:
-        from mixprec.comparison.report import write_report
-
-        result.files = write_report(result, out)
+        try:
+            result.write(out)
+        except OSError as e:  # checked before training, so something changed since: keep the results
+            result.write_error = f"the report could not be written to {str(out)!r}: {e}"
+            warnings.warn(result.write_error + "; the results are in the returned object (result.write(dir))",
+                          RuntimeWarning, stacklevel=2)
     return result
 
 

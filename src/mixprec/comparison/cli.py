@@ -48,7 +48,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="extra fp32 runs from other seeds that measure the noise (default 2, at least 2)")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available, else cpu)")
     parser.add_argument("--out", default=None, metavar="DIR",
-                        help="report directory (default: mixprec-report/compare)")
+                        help="report directory (default: mixprec-report/compare); '' for none")
     parser.add_argument("--threads", type=_positive_int, default=None, metavar="N",
                         help="torch CPU threads (default: 1 for the built-in task on CPU, whose ops are too "
                              "small to gain from more and lose 4x on a busy machine; else torch's choice)")
@@ -123,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
     err = Console(stderr=True)
 
     def error(message: str) -> int:
-        err.print(f"error: {message}", markup=False, highlight=False)
+        err.print(f"error: {message}", markup=False, highlight=False, soft_wrap=True)  # one line: greppable
         return 2
 
     try:
@@ -140,25 +140,34 @@ def run(args: argparse.Namespace) -> int:
         with progress if progress is not None else contextlib.nullcontext():
             result = compare(
                 args.task, recipes, steps=args.steps, seeds=args.noise_seeds, device=args.device,
-                out=args.out or DEFAULT_OUT, task_kwargs=task_kwargs, threads=threads,
+                out=DEFAULT_OUT if args.out is None else (args.out or None), task_kwargs=task_kwargs, threads=threads,
                 progress=progress.on_step if progress else None, on_run=progress.on_run if progress else None,
             )
     except RunError as e:
         return error(f"{e}\n(an fp32 run failed, so nothing can be judged: debug the task in plain fp32 first)")
     except (TaskError, ValueError, FileExistsError, PermissionError, RuntimeError) as e:  # RuntimeError: a recipe this device cannot run
+        if args.traceback and e.__cause__ is not None:  # the task's own code raised: show where
+            import traceback
+
+            traceback.print_exception(e.__cause__)
         return error(str(e))
     except Exception as e:  # e.g. an exception raised while importing the task's module
         if args.traceback:
             raise
-        return error(f"{type(e).__name__}: {e} (run with --traceback for the full traceback)")
+        given = ", ".join(f"{k}={v!r} ({type(v).__name__})" for k, v in task_kwargs.items())
+        return error(f"{type(e).__name__}: {e}" + (f" (the task's arguments: {given})" if given else "")
+                     + " (run with --traceback for the full traceback)")
 
     if args.json:
         print(result.to_json())
     elif args.quiet:
         for name, v in result.verdicts.items():
             print(f"{name}: {v.status}: {v.message}")
-        print(f"report: {result.files['html']}")
+        if result.files:
+            print(f"report: {result.files['html']}")
     else:
         print_summary(result, make_console())
+    if result.write_error:  # the table above holds the results; the files could not be written
+        return error(result.write_error + ". Rerun with another --out (the results above are what it measured).")
     return 0 if result.ok else 1
 

@@ -68,6 +68,14 @@ def summary_rows(result: Any) -> list[dict[str, Any]]:
             "peak_mib": None if run.peak_memory_bytes is None else run.peak_memory_bytes / 2**20,
             "message": verdict.message if verdict else "the reference: fp32 from seed 0",
         })
+    ran = {r["recipe"] for r in rows}
+    for name, verdict in result.verdicts.items():  # recipes that never ran (fp32 itself failed): say why
+        if name not in ran:
+            rows.append({
+                "recipe": name, "verdict": verdict.status, "ok": verdict.ok, "from_step": verdict.first_step,
+                "ratio": None, "final_loss": None, "step_ms": None, "speedup": None, "skipped": None,
+                "peak_mib": None, "message": f"not run: {verdict.message}",
+            })
     return rows
 
 
@@ -87,7 +95,7 @@ def _cells(row: dict[str, Any]) -> list[str]:
     verdict = row["verdict"] + (f" @{row['from_step']}" if row["from_step"] is not None else "")
     return [
         row["recipe"], verdict, _fmt(row["ratio"], ".2f"), _fmt(row["final_loss"], ".5g"),
-        _fmt(row["step_ms"], ".1f"), _fmt(row["speedup"], ".2f", "-") + "x", _fmt(row["skipped"], "d"),
+        _fmt(row["step_ms"], ".1f"), (_fmt(row["speedup"], ".2f") + "x" if row["speedup"] is not None else "-"), _fmt(row["skipped"], "d"),
         _fmt(row["peak_mib"], ".1f", "n/a"),
     ]
 
@@ -155,6 +163,8 @@ def _write_html(result: Any, png: bytes, path: str) -> None:
         page.paragraph(
             "FAIL: " + "; ".join(f"{v.recipe} {v.status}" for v in failed) + ". Details below.", css_class="bad"
         )
+        for why in dict.fromkeys(v.message for v in failed if v.status == "UNJUDGED"):
+            page.paragraph(why, css_class="bad")  # fp32 itself failed: the reason, up front
     else:
         page.paragraph("OK: every recipe tracks fp32 within fp32's own seed-to-seed noise.", css_class="ok")
     rows = summary_rows(result)

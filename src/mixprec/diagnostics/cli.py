@@ -57,14 +57,18 @@ def run(args: argparse.Namespace) -> int:
             check_out_dir(args.out)  # before the runs: a bad --out should not cost them
         report = doctor(args.task, args.recipe, args.device, steps=args.steps, seed=args.seed, progress=progress)
     except (TaskError, ValueError, RuntimeError, FileExistsError, PermissionError) as e:
-        err.print(f"[bold red]error:[/] {escape(str(e))}")  # a path or recipe may hold '[...]': not markup
+        err.print(f"[bold red]error:[/] {escape(str(e))}", soft_wrap=True)  # a path or recipe may hold '[...]': not markup
         return 2
     except Exception as e:  # the task's own code raised (importing its module, its factory): not a finding
         frame = traceback.extract_tb(e.__traceback__)[-1]
         where = "" if isinstance(e, SyntaxError) else f" (raised at {frame.filename}:{frame.lineno} in {frame.name})"
-        err.print(f"error: {type(e).__name__}: {e}{where}", markup=False, highlight=False)
+        err.print(f"error: {type(e).__name__}: {e}{where}", markup=False, highlight=False, soft_wrap=True)
         return 2
-    written = report.write(args.out) if args.out else {}
+    try:
+        written = report.write(args.out) if args.out else {}
+        write_error = None
+    except OSError as e:  # checked before the runs, so something changed since: still show the findings
+        written, write_error = {}, f"the report could not be written to {args.out!r}: {e}"
     if args.json:
         print(json.dumps(report.to_dict(), indent=2, default=str))
     else:
@@ -75,4 +79,7 @@ def run(args: argparse.Namespace) -> int:
             console.print(r)
         if "doctor.html" in written:
             console.print(f"report: {written['doctor.html']}")
+    if write_error:
+        err.print(f"error: {write_error}", markup=False, highlight=False, soft_wrap=True)
+        return 2
     return report.exit_code

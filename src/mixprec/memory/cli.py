@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from typing import Any
 
@@ -27,6 +28,9 @@ _SHAPE = ("batch", "seq", "d_model", "layers", "heads")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
+    # "--params -7B" must reach parse_count (which says what is wrong) instead of argparse taking
+    # "-7B" for an option: no option of this command starts with a digit, so such tokens are values
+    parser._negative_number_matcher = re.compile(r"^-\d")  # (argparse's own hook for negative numbers)
     src = parser.add_argument_group("what to plan for")
     src.add_argument("--params", help="parameter count: 7e9, 7B, 125M, 1000")
     src.add_argument("--trainable", metavar="COUNT",
@@ -124,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
         if args.params is not None and args.model is not None:
             raise ValueError("give --params or --model, not both")
         if args.params is not None:
-            parse_count(args.params)  # a bad count is an error now, not a traceback later
+            parse_count(args.params, minimum=1)  # a bad count is an error now, not a traceback later
             if args.measure:
                 raise ValueError("--measure runs a real step on a model: give --model (a Task factory) or "
                                  "nothing (the built-in task), not --params")

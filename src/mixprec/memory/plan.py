@@ -163,6 +163,9 @@ class TransformerShape:
                 raise ValueError(f"transformer shape needs {field} >= 1, got {getattr(self, field)}")
         if self.attention not in ("eager", "flash"):
             raise ValueError(f"attention must be 'eager' or 'flash', got {self.attention!r}")
+        if self.d_model % self.heads:
+            raise ValueError(f"--d-model {self.d_model} is not a multiple of --heads {self.heads}: each head gets "
+                             "d_model / heads channels (e.g. --d-model 4096 --heads 32)")
 
 
 def activation_bytes(shape: TransformerShape, facts: StorageFacts) -> int:
@@ -320,9 +323,14 @@ def facts_from_recipe(recipe: Any, device_type: str = "cpu") -> StorageFacts:
     )
 
 
-def parse_count(text: str) -> int:
+#: No model has 10**15 parameters; past it the arithmetic (and the user's intent) is gone.
+MAX_COUNT = 10**15
+
+
+def parse_count(text: str, minimum: int = 0) -> int:
     """``"7e9"``, ``"7B"``, ``"6.7B"``, ``"125M"``, ``"1_000"`` -> an int (read in decimal, so
-    ``6.7B`` is exactly 6,700,000,000; a fraction of a parameter is refused)."""
+    ``6.7B`` is exactly 6,700,000,000; a fraction of a parameter is refused). Counts below
+    ``minimum`` or above ``MAX_COUNT`` are refused."""
     import decimal
 
     t = text.strip().replace("_", "").replace(",", "")
@@ -333,8 +341,11 @@ def parse_count(text: str) -> int:
         value = decimal.Decimal(t) * mult
     except decimal.InvalidOperation:
         raise ValueError(f"cannot read a parameter count from {text!r}; write e.g. 7e9, 7B, 125M or 1000") from None
-    if not value.is_finite() or value < 0:
-        raise ValueError(f"a parameter count must be >= 0, got {text!r}")
+    if not value.is_finite() or value < minimum:
+        raise ValueError(f"a parameter count must be >= {minimum}, got {text!r}")
+    if value > MAX_COUNT:
+        raise ValueError(f"a parameter count of {text!r} is more than {MAX_COUNT:.0e}: no model is that large "
+                         "(write e.g. 7e9 or 7B)")
     if value != value.to_integral_value():
         raise ValueError(f"a parameter count is a whole number, got {text!r} ({value.normalize()})")
     return int(value)

@@ -98,8 +98,10 @@ def comparison_figure(result: Any, smooth: Callable[[Any], np.ndarray], smooth_l
         ax_scale.set_yscale("log", base=2)
         ax_scale.legend(loc="best", fontsize=8, framealpha=0.9)
     else:
-        ax_scale.text(0.5, 0.5, "no recipe here uses a loss scaler (fp32 and bf16 need none)",
-                      ha="center", va="center", transform=ax_scale.transAxes, color="0.4")
+        not_run = [name for name in result.verdicts if all(r.recipe != name for r in result.runs)]
+        text = (f"not run: {', '.join(not_run)} (fp32 itself failed, see the report)" if not_run
+                else "no recipe here uses a loss scaler (fp32 and bf16 need none)")
+        ax_scale.text(0.5, 0.5, text, ha="center", va="center", transform=ax_scale.transAxes, color="0.4")
         ax_scale.set_yticks([])
     ax_scale.set_ylabel("loss scale (log2)")
     ax_scale.set_xlabel("optimizer step")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 
@@ -18,4 +19,15 @@ def check_writable_dir(out: str | Path) -> Path:
         raise FileExistsError(f"--out {str(path)!r} cannot be created: {str(base)!r} is a file; give a directory")
     if not os.access(base, os.W_OK):
         raise PermissionError(f"--out {str(path)!r} cannot be written: no write permission in {str(base)!r}")
+    # Permissions do not tell everything (root passes os.access everywhere; /proc and read-only
+    # mounts refuse anyway): try. A probe file, or a directory made and removed, in what exists.
+    try:
+        if base == path:
+            fd, probe = tempfile.mkstemp(prefix=".mixprec-probe-", dir=base)
+            os.close(fd)
+            os.unlink(probe)
+        else:
+            os.rmdir(tempfile.mkdtemp(prefix=".mixprec-probe-", dir=base))
+    except OSError as e:
+        raise PermissionError(f"--out {str(path)!r} cannot be written ({e.strerror or e}); give another directory") from None
     return path

@@ -106,7 +106,11 @@ def load_task(spec: str | Task | Callable[..., Task] | None = None, **kwargs: An
     except TypeError as e:
         if not _accepts(factory, kwargs):
             raise TaskError(f"task factory {label} does not accept arguments {sorted(kwargs)}: {e}") from None
-        raise
+        raise _factory_error(label, kwargs, e) from e
+    except Exception as e:  # the factory's own code: name the arguments that went in (the traceback is the cause)
+        if not kwargs:
+            raise
+        raise _factory_error(label, kwargs, e) from e
     if not isinstance(task, Task):
         raise TaskError(
             f"task factory {label} returned {type(task).__name__}, expected mixprec.tasks.Task "
@@ -118,6 +122,14 @@ def load_task(spec: str | Task | Callable[..., Task] | None = None, **kwargs: An
     if not isinstance(task.steps, int) or task.steps < 1:
         raise TaskError(f"task {task.name!r} from {label}: steps must be a positive integer, got {task.steps!r}")
     return task
+
+
+def _factory_error(label: str, kwargs: dict[str, Any], e: Exception) -> TaskError:
+    given = ", ".join(f"{k}={v!r} ({type(v).__name__})" for k, v in kwargs.items())
+    return TaskError(
+        f"task factory {label} raised {type(e).__name__} with the arguments {given}: {e}. Check those "
+        "values (--task-arg parses Python literals: d_model=64 is an int, d_model=abc a string)"
+    )
 
 
 def _accepts(fn: Callable[..., Any], kwargs: dict[str, Any]) -> bool:

@@ -99,6 +99,14 @@ def make_task(
     3-5x slower than fp32 per step): the default ``mixprec compare`` (five runs of 200 steps) takes
     about a minute on two cores, and the loss still falls from ~4.6 (uniform over 96 symbols) to ~2.6.
     """
+    for name, value in (("steps", steps), ("batch_size", batch_size), ("seq_len", seq_len), ("d_model", d_model),
+                        ("n_layer", n_layer), ("n_head", n_head)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"charlm task: {name} must be a positive integer, got {value!r}")
+    if d_model % n_head:
+        raise ValueError(f"charlm task: d_model ({d_model}) must be a multiple of n_head ({n_head})")
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0:
+        raise ValueError(f"charlm task: lr must be a number > 0, got {lr!r}")
     data = corpus()
 
     def get_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,105 @@
+"""Bad input, as a new user gives it: each case a clear one-line error (exit 2 for the CLI) that says
+what to do, or the right thing done. One table per surface; every case once seen misbehaving."""
+
+from __future__ import annotations
+
+import pytest
+
+from mixprec.cli import main
+
+# (argv, expected exit code, a fragment of the message on stderr)
+CLI_CASES = [
+    # unknown recipes: a suggestion, and no policy-parser tail for a name with no '='
+    (["compare", "--recipes", "bf61-mixed", "--out", ""], 2, "Did you mean 'bf16-mixed'?"),
+    (["compare", "--recipes", "bf16_mixed", "--out", ""], 2, "Did you mean 'bf16-mixed'?"),
+    (["memory", "--params", "7B", "--recipe", "fp16_true"], 2, "Did you mean 'fp16-true'?"),
+    # task arguments: the argument named, its type shown
+    (["compare", "--task-arg", "d_model=abc", "--out", ""], 2, "d_model must be a positive integer, got 'abc'"),
+    (["compare", "--task-arg", "d_model=0", "--out", ""], 2, "with the arguments d_model=0 (int)"),
+    (["compare", "--task-arg", "d_model=30", "--task-arg", "n_head=4", "--out", ""], 2,
+     "d_model (30) must be a multiple of n_head (4)"),
+    (["compare", "--task", "nosuchtask", "--out", ""], 2, "or be a built-in task: charlm, fragile"),
+    # output directories that cannot be written: said before any training
+    (["compare", "--out", "/proc/mixprec-x"], 2, "cannot be written"),
+    (["doctor", "--out", "/proc/mixprec-x"], 2, "cannot be written"),
+    # memory: shapes and counts that cannot exist
+    (["memory", "--params", "7B", "--batch", "1", "--seq", "8", "--d-model", "4096", "--layers", "2", "--heads", "3"],
+     2, "not a multiple of --heads 3"),
+    (["memory", "--params", "0"], 2, "must be >= 1"),
+    (["memory", "--params", "-7B"], 2, "must be >= 1"),
+    (["memory", "--params", "1e400"], 2, "no model is that large"),
+    # bench: a recipe with no hand-written torch.amp twin
+    (["bench", "--overhead", "--recipes", "bf16-true", "--shape", "tiny"], 2, "has no hand-written twin"),
+]
+
+
+@pytest.mark.parametrize("argv, code, fragment", CLI_CASES, ids=[" ".join(c[0])[:60] for c in CLI_CASES])
+def test_cli_bad_input_is_one_clear_error(argv, code, fragment, capsys):
+    assert main(argv) == code
+    captured = capsys.readouterr()
+    assert fragment in captured.err, captured.err
+    assert "Traceback" not in captured.err + captured.out
+
+
+def test_compare_out_empty_means_no_report_as_for_doctor(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["compare", "--steps", "2", "--noise-seeds", "2", "--recipes", "bf16-mixed", "--out", "",
+                 "--quiet", "--task-arg", "d_model=16", "--task-arg", "n_layer=1", "--task-arg", "seq_len=8"]) == 0
+    assert list(tmp_path.iterdir()) == []  # nothing written, nowhere
+    assert "report:" not in capsys.readouterr().out
+
+
+def test_compare_results_survive_an_output_directory_that_fails_after_training(tmp_path, monkeypatch):
+    import mixprec.comparison.report as report
+    from mixprec import compare
+    from mixprec.tasks import load_task
+
+    def fail(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(report, "write_report", fail)
+    task = load_task("fragile", steps=3)
+    with pytest.warns(RuntimeWarning, match="No space left on device"):
+        result = compare(task, ("bf16-mixed",), out=str(tmp_path / "r"), threads=1)
+    assert result.write_error and result.verdicts["bf16-mixed"].status in ("TRACKS", "DIVERGES")
+    monkeypatch.undo()
+    files = result.write(str(tmp_path / "elsewhere"))
+    assert set(files) == {"html", "png", "json", "csv"} and result.write_error is None
+
+
+def test_compare_with_a_model_that_is_nan_in_fp32_says_fp32_itself_is_non_finite(tmp_path):
+    import torch
+    from torch import nn
+
+    from mixprec import compare
+    from mixprec.comparison.report import summary_rows
+    from mixprec.tasks import Task
+
+    class NanModel(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.lin(x) * float("nan")
+
+    def batch(step):
+        g = torch.Generator().manual_seed(step)
+        return torch.randn(8, 4, generator=g), torch.randn(8, 2, generator=g)
+
+    task = Task(name="nan", build_model=NanModel, get_batch=batch, loss_fn=nn.functional.mse_loss, steps=4)
+    result = compare(task, ("bf16-mixed", "fp16-mixed"), out=str(tmp_path), threads=1)
+    rows = {r["recipe"]: r for r in summary_rows(result)}
+    for name in ("bf16-mixed", "fp16-mixed"):  # recipes that never ran still get a row and the reason
+        assert rows[name]["verdict"] == "UNJUDGED"
+        assert "fp32 itself" in rows[name]["message"] and "at step 1" in rows[name]["message"]
+    html = (tmp_path / "compare.html").read_text()
+    assert "fp32 itself (fp32) has a non-finite loss at step 1" in html
+
+
+def test_a_policy_whose_output_is_16_bit_is_named_with_its_output_dtype():
+    from mixprec import compare
+    from mixprec.tasks import load_task
+
+    with pytest.warns(UserWarning, match=r"means p=f32,c=bf16,o=bf16.*write o=f32: p=f32,c=bf16,o=f32"):
+        compare(load_task("fragile", steps=2), ("p=f32,c=bf16",), threads=1)
