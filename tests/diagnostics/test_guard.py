@@ -347,3 +347,40 @@ def test_tracer_adds_no_host_sync_per_op_or_node_on_cuda():
     records, ranges = tracer.take()  # the one sync
     assert len(records) > 50 and any(r.phase == "backward" for r in records)
     assert not any(r.nan for r in ranges) and any(r.inf for r in ranges)  # the causal mask's -inf
+
+
+class TimesNan(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x) * float("nan")  # a NaN number in the code
+
+
+def test_guard_names_the_op_that_multiplied_by_a_nan_number_not_the_loss():
+    net = TimesNan()
+    with nan_guard(net, "record") as g:
+        F.mse_loss(net(torch.ones(2, 4)), torch.zeros(2, 4)).backward()
+    ev = g.first
+    assert (ev.phase, ev.module, ev.op, ev.kind, ev.origin) == ("forward", "", "mul", "nan", "constant")
+    assert ev.cause.code == "nan-constant" and "NaN produced" in ev.describe()
+
+
+def test_guard_names_the_parameter_that_holds_the_nan_it_received():
+    net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    with torch.no_grad():
+        net[1].weight[0, 0] = float("nan")  # e.g. left by an earlier step or a checkpoint
+    with nan_guard(net, "record") as g:
+        net(torch.ones(2, 4))
+    ev = g.first
+    assert ev.origin == "input" and ev.held_by == ("parameter '1.weight'",)
+    assert ev.cause.code == "nonfinite-parameter" and "'1.weight'" in ev.describe()
+
+
+def test_an_infinity_passed_as_a_number_is_still_asked_for():
+    net = nn.Linear(4, 4)
+    with nan_guard(net, "record") as g:
+        out = net(torch.ones(2, 4))
+        out.masked_fill(torch.ones(2, 4, dtype=torch.bool).triu(1), float("-inf")).softmax(-1)
+    assert g.events == []

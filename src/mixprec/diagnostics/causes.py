@@ -70,8 +70,19 @@ def explain(event: Any) -> Cause:
                          "the gradient reaching the model's output was already non-finite: the loss (or code "
                          "between the model and the loss) produced it",
                          "guard the loss computation too (compute it inside the nan_guard block), and compute it in fp32")
+        held = getattr(event, "held_by", ())
+        if held:
+            return Cause("nonfinite-parameter",
+                         f"{event.where_text} received {event.kind.upper()} that the model itself holds: "
+                         f"{', '.join(held)}",
+                         "find what wrote it: an earlier step that was not skipped (guard the training steps, or "
+                         "use skip_nonfinite=True), a checkpoint that holds it, or an init that divides by zero")
         return Cause("nonfinite-input", f"{event.where_text} received inputs that already held {event.kind.upper()}",
                      "check the batch (and anything computed before the guarded forward)")
+    if event.origin == "constant":
+        return Cause("nan-constant", f"{event.op or 'the op'} was given NaN as a number (float('nan'), math.nan, "
+                     "or a value computed as NaN in Python) and so made NaN from finite tensors",
+                     "find the NaN number in the code at the location above (a 0/0 or inf - inf done in Python)")
     if event.phase == "backward":
         if event.scaled:
             return Cause("scaled-gradient-overflow",

@@ -39,8 +39,11 @@ class NonFiniteEvent:
         kind: "nan" or "inf".
         dtype, shape: of the offending output (forward) or gradient (backward).
         inputs: ranges of what the producer received (backward: the gradients that came in).
-        origin: "producer" (made here from finite inputs), or "input" (it arrived non-finite from
-            outside what the guard watches: the batch, or the loss in backward).
+        origin: "producer" (made here from finite inputs), "constant" (made here by a NaN passed
+            as a number: ``x * float("nan")``), or "input" (it arrived non-finite from outside what
+            the guard watches: the batch, the model's own parameters, or the loss in backward).
+        held_by: with origin "input", the model's parameters and buffers that hold such a value
+            (``"parameter 'lin.weight'"``): where it came from when not from the batch.
         where: source line ``file.py:LINE in function`` of the op (forward, when known).
         step: how many forward passes of the model the guard had seen (1 = the first).
         scaled, scale: backward overflow while a loss scaler with ``scale`` > 1 was active; the
@@ -62,6 +65,7 @@ class NonFiniteEvent:
     scaled: bool = False
     scale: float = 1.0
     output: TensorRange | None = None  # the offending output's range (the sign of an infinity)
+    held_by: tuple[str, ...] = ()
 
     @property
     def where_text(self) -> str:
@@ -86,7 +90,7 @@ class NonFiniteEvent:
     def describe(self) -> str:
         """A few lines: what, where, the inputs, the likely cause and the fix."""
         what = "NaN" if self.kind == "nan" else "Inf"
-        verb = "produced" if self.origin == "producer" else "arrived"
+        verb = "arrived" if self.origin == "input" else "produced"
         lines = [f"{what} {verb} in {self.phase} (step {self.step}) by {self.where_text}"]
         if self.where:
             lines.append(f"  at {self.where}")
@@ -110,7 +114,7 @@ class NonFiniteEvent:
             "phase": self.phase, "module": self.module, "module_type": self.module_type, "op": self.op,
             "node": self.node, "kind": self.kind, "dtype": str(self.dtype).removeprefix("torch."),
             "shape": list(self.shape), "inputs": [str(r) for r in self.inputs], "origin": self.origin,
-            "where": self.where, "step": self.step, "scaled": self.scaled, "cause": c.code,
+            "where": self.where, "step": self.step, "scaled": self.scaled, "held_by": list(self.held_by), "cause": c.code,
             "cause_text": c.text, "fix": c.fix,
         }
 

@@ -23,6 +23,7 @@ import warnings
 from collections.abc import Sequence
 from typing import Any, Literal
 
+import torch
 from torch import nn
 
 from mixprec.diagnostics._trace import ModuleCall, Record, TensorRange, Tracer
@@ -104,7 +105,9 @@ def find_producer(
         if not (out_nan or out_inf):
             continue
         t_nan, t_inf = _flags(bad, rec.inputs)
-        in_nan, in_inf = t_nan or rec.scalar_nan, t_inf or rec.scalar_inf
+        # An infinity passed as a number is asked for (masked_fill(m, -inf)); a NaN passed as a
+        # number is not a mask anyone means: the op that multiplied by float("nan") made the NaN.
+        in_nan, in_inf = t_nan, t_inf or rec.scalar_inf
         kind = "nan" if out_nan else "inf"
         if rec.op is None and rec.node is None and rec.call is not None and id(rec.call) in tainted:
             continue
@@ -119,8 +122,8 @@ def find_producer(
             if any(a.matches(rec.call, rec.op, kind) for a in allow):
                 intentional = True
                 continue
-            return rec, kind, "producer"
-        if (rec.scalar_nan or rec.scalar_inf) and not (t_nan or t_inf):
+            return rec, kind, "constant" if kind == "nan" and rec.scalar_nan else "producer"
+        if rec.scalar_inf and not (t_nan or t_inf):
             intentional = True
         elif first_bad_input is None and not intentional and (t_nan or t_inf):
             first_bad_input = (rec, "nan" if t_nan else "inf")
@@ -246,11 +249,30 @@ class NanGuard:
         ins = tuple(ranges[i] for i in rec.inputs if i is not None)
         scale = self._scale() if rec.phase == "backward" and origin == "producer" else 1.0
         call = rec.call
+        # A value that arrived non-finite may come from the model's own state (a weight a bad step
+        # or a load left NaN): name it. One scan of the parameters, only on this rare path.
+        held = self._nonfinite_state(kind) if origin == "input" and rec.phase == "forward" else ()
         return NonFiniteEvent(
             phase=rec.phase, module=None if call is None else call.name, module_type=None if call is None else call.type,
             op=rec.op, node=rec.node, kind=kind, dtype=out.dtype, shape=out.shape, inputs=ins, origin=origin,
             where=rec.where, step=self._tracer.forward_calls, scaled=scale > 1.0, scale=scale, output=out,
+            held_by=held,
         )
+
+    def _nonfinite_state(self, kind: str) -> tuple[str, ...]:
+        """Parameters and buffers of the model that hold a NaN (``kind`` "nan") or an infinity."""
+        found = []
+        with torch.no_grad():
+            for prefix, tensors in (("parameter", self.model.named_parameters()), ("buffer", self.model.named_buffers())):
+                for name, t in tensors:
+                    if t is None or not t.is_floating_point():
+                        continue
+                    hit = bool(torch.isnan(t).any()) if kind == "nan" else bool(torch.isinf(t).any())
+                    if hit:
+                        found.append(f"{prefix} {name!r}")
+                    if len(found) >= 5:
+                        return tuple(found)
+        return tuple(found)
 
     def _scale(self) -> float:
         s = self.scaler
