@@ -52,6 +52,7 @@ class Evidence:
     activations: ActivationRangeReport | None = None
     norms: list[NormStat] = dataclasses.field(default_factory=list)
     errors: dict[str, str] = dataclasses.field(default_factory=dict)
+    kept_fp32: frozenset[str] = frozenset()  # parameters a 16-bit storage recipe keeps in fp32 (its rule)
 
     @property
     def compute_fmt(self) -> str:
@@ -296,6 +297,11 @@ def check_grad_underflow(ev: Evidence) -> Finding:
                    + (f"; recommended initial scale {pow2_label(rec)}" if rec and fmt == "f16" else ""), tuple(evidence))
 
 
+def _decay_note(p: Any) -> str:
+    return (f"; {100 * p.decay_only:.0f}% of its updates are weight decay alone, on elements with no gradient "
+            "this step (rows of tokens not in the batch)" if p.decay_only >= 0.5 else "")
+
+
 def check_update_vanishing(ev: Evidence) -> Finding:
     title = "Which updates would vanish without fp32 master weights?"
     rep = ev.updates
@@ -303,16 +309,34 @@ def check_update_vanishing(ev: Evidence) -> Finding:
         return Finding("update-vanishing", title, "skipped", ev.errors.get("updates", "not measured"))
     stored = ev.recipe.policy.param_dtype
     evidence = tuple(f"{p.name}: {100 * p.vanished['bf16']:.1f}% of updates lost in bf16, {100 * p.vanished['f16']:.1f}% in f16 "
-                     f"(median |dw/w| {p.relative_update:.2g})" for p in rep.worst("bf16", 6) if p.updated)
+                     f"(median |dw/w| {p.relative_update:.2g}){_decay_note(p)}" for p in rep.worst("bf16", 6) if p.updated)
     need = rep.needs_master("bf16")
     if stored in (_f16(), _bf16()):
-        lost = rep.needs_master(short_name(stored))
-        if lost:
+        fmt = short_name(stored)
+        # what this recipe stores in 16 bits: its fp32 rule keeps the others (norms, biases...) in fp32
+        at_risk = [p for p in rep.worst(fmt, len(rep.params))
+                   if p.name in set(rep.needs_master(fmt)) and p.name not in ev.kept_fp32]
+        if at_risk and ev.recipe.master == "nearest":  # 16-bit weights and nothing to keep the updates
+            worst = at_risk[0]
             return Finding("update-vanishing", title, "alarm",
-                           f"{len(lost)} parameter(s) lose over {100 * rep.threshold:.0f}% of their updates in "
-                           f"{short_name(stored)} storage (worst: {lost[0]})", evidence,
-                           "keep fp32 master weights (a p=f32 recipe), or use compensated updates", lost[0],
-                           cause="update-vanishing")
+                           f"{len(at_risk)} parameter(s) lose over {100 * rep.threshold:.0f}% of their updates in "
+                           f"{fmt} storage (worst: {worst.name}, {100 * worst.vanished[get_format(fmt).name]:.1f}%"
+                           f"{_decay_note(worst)})", evidence,
+                           "keep fp32 master weights (bf16-true / fp16-true, or a p=f32 recipe), or use compensated "
+                           "updates (bf16-true-kahan, bf16-true-sr)", worst.name, cause="update-vanishing")
+        if at_risk:
+            how = {"fp32": "fp32 master weights", "remainder": "exact fp32 masters (bf16 + int16 remainders)",
+                   "kahan": "Kahan compensation", "sr": "stochastic rounding"}.get(ev.recipe.master, "its masters")
+            return Finding("update-vanishing", title, "info",
+                           f"{len(at_risk)} parameter(s) would lose over {100 * rep.threshold:.0f}% of their updates "
+                           f"stored in {fmt} alone ({', '.join(p.name for p in at_risk[:4])}"
+                           f"{'...' if len(at_risk) > 4 else ''}); {ev.recipe.name} keeps them with {how}, so the "
+                           "updates are not lost", evidence)
+        kept = [n for n in need if n in ev.kept_fp32]
+        return Finding("update-vanishing", title, "ok",
+                       f"no parameter this recipe stores in {fmt} loses its updates"
+                       + (f" ({len(kept)} that would are stored in fp32 by its rule: {', '.join(kept[:4])})" if kept else ""),
+                       evidence)
     summary = (f"{len(need)} parameter(s) would lose over {100 * rep.threshold:.0f}% of their updates if stored in bf16 "
                f"({', '.join(need[:4])}{'...' if len(need) > 4 else ''}); this recipe keeps fp32 weights, so none are lost"
                if need else f"one step's updates survive 16-bit storage ({100 * rep.overall('bf16'):.2f}% lost in bf16)")

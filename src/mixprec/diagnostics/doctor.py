@@ -29,6 +29,7 @@ from mixprec.diagnostics.doctor_runs import build, run_steps
 from mixprec.diagnostics.probes.activations import probe_activation_range
 from mixprec.diagnostics.probes.gradients import probe_grad_underflow
 from mixprec.diagnostics.probes.updates import probe_update_vanishing
+from mixprec.masters import fp32_param_names
 from mixprec.recipes import as_device, resolve_recipe
 from mixprec.tasks import Task, load_task, to_device
 
@@ -125,6 +126,9 @@ def doctor(
     say("running the same step in fp32")
     f32 = run_steps(the_task, "fp32", dev, steps=1, seed=seed) if rec.name != "fp32" else run
     ev = Evidence(rec, run, f32)
+    if rec.stores_16bit:  # which parameters the recipe's rule keeps in fp32 (not at risk of vanishing)
+        torch.manual_seed(seed)
+        ev.kept_fp32 = frozenset(fp32_param_names(the_task.build_model(), rec.fp32_params))
     if run.faulty and not f32.faulty and rec.policy.compute_dtype != torch.bfloat16:
         # as many steps as it took the recipe to fail, at least one
         n = next((i + 1 for i, v in enumerate(run.losses) if v != v or abs(v) == float("inf")), 1)

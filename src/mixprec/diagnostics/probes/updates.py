@@ -37,6 +37,9 @@ class ParamUpdate:
         updated: elements the fp32 step changed.
         vanished: format name -> fraction of the updated elements whose update that format loses.
         relative_update: median of |dw| / |w| over updated elements with w != 0.
+        decay_only: fraction of the updated elements whose gradient was 0 this step: weight decay
+            alone moved them (an embedding's rows for tokens not in the batch), a tiny relative
+            update that 16-bit storage loses first.
     """
 
     name: str
@@ -44,6 +47,7 @@ class ParamUpdate:
     updated: int
     vanished: dict[str, float]
     relative_update: float
+    decay_only: float = 0.0
 
 
 @dataclasses.dataclass
@@ -119,6 +123,7 @@ def probe_update_vanishing(
     snap.clear()
     try:
         run_backward(closure, "probe_update_vanishing")
+        no_grad = {id(p): (p.grad == 0) if p.grad is not None else None for _, p in named}  # None: no gradient at all
         optimizer.step()
         names = tuple(get_format(f).name for f in formats)
         out = []
@@ -132,7 +137,11 @@ def probe_update_vanishing(
                     vanished[f], updated = vanished_fraction(w0, dw, f)
                 moved = (dw != 0) & (w0 != 0)
                 rel = float((dw[moved].abs() / w0.double()[moved].abs()).median()) if bool(moved.any()) else 0.0
-                out.append(ParamUpdate(name, p.numel(), updated, vanished, rel))
+                zero = no_grad[id(p)]
+                nz = dw != 0
+                decay = (1.0 if bool(nz.any()) else 0.0) if zero is None else (
+                    float((zero & nz).sum()) / max(int(nz.sum()), 1))
+                out.append(ParamUpdate(name, p.numel(), updated, vanished, rel, decay))
     finally:
         if restore:
             with torch.no_grad():
