@@ -102,7 +102,6 @@ def _flat_buffer(b: _Bucket, name: str, flat: torch.Tensor) -> None:
         s.extra[name] = v
 
 
-
 class _StepInBuckets:
     """While active, ``optimizer.step(...)`` runs once per bucket (the optimizer's parameters
     outside any bucket, fp32-kept ones, step with the first), each time with ``param_groups`` cut
