@@ -13,11 +13,12 @@ parameter (``_flat_buffer``).
 (``MasterWeights.bucketed_step``), ``_showing_only`` the param-group cut it steps under;
 ``PER_PARAMETER_OPTIMIZERS`` are the optimizers for which that is the same as one whole step.
 
-Relies on torch only. ``_StepInBuckets`` drives its owner, a ``MasterWeights``
-(``mixprec.masters.base``): its ``buckets``, ``_bucket_of``, ``deferred``, ``pending_grad``,
-``_step_bucket``, ``_rewrite_bucket`` and ``_fold_bucket_grads``. ``BUCKET_NUMEL`` is read when a
-``MasterWeights`` is made (and by the memory planner): set it here, e.g. with
-``monkeypatch.setattr("mixprec.masters.buckets.BUCKET_NUMEL", 300)``.
+Relies on torch only (no other mixprec module: ``base`` imports this one). ``_StepInBuckets``
+drives its owner, a ``MasterWeights`` (``mixprec.masters.base``): its ``buckets``, ``_bucket_of``,
+``deferred``, ``pending_grad``, ``_step_bucket``, ``_rewrite_bucket`` and ``_fold_bucket_grads``.
+
+``BUCKET_NUMEL`` is read when a ``MasterWeights`` is made (and by the memory planner): set it
+here, e.g. ``monkeypatch.setattr("mixprec.masters.buckets.BUCKET_NUMEL", 300)``.
 """
 
 from __future__ import annotations
@@ -25,13 +26,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
-
-if TYPE_CHECKING:
-    from mixprec.masters.base import MasterWeights
 
 
 @dataclasses.dataclass
@@ -107,7 +105,8 @@ class _StepInBuckets:
     outside any bucket, fp32-kept ones, step with the first), each time with ``param_groups`` cut
     down to that part; the instance ``step`` it replaces (an lr scheduler's counter) is what it calls."""
 
-    def __init__(self, owner: "MasterWeights", opt: torch.optim.Optimizer) -> None:
+    def __init__(self, owner: Any, opt: torch.optim.Optimizer) -> None:
+        # owner: the MasterWeights (mixprec.masters.base) stepping; not imported, base imports this module
         self.owner, self.opt = owner, opt
         self.called = False  # the scaler called the optimizer (it does not on a skipped step)
         self.saved = opt.__dict__.get("step")
