@@ -90,9 +90,9 @@ def main(argv: list[str] | None = None) -> int:
                          "this small model step in several buckets, as a large one does")
     args = ap.parse_args(argv)
     if args.bucket_numel:
-        import mixprec.masters.strategy as strategy
+        import mixprec.masters.buckets as buckets
 
-        strategy.BUCKET_NUMEL = args.bucket_numel
+        buckets.BUCKET_NUMEL = args.bucket_numel
 
     device = as_device(args.device)
     if args.threads:
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from mixprec.masters.strategy import BUCKET_NUMEL
+    from mixprec.masters.buckets import BUCKET_NUMEL
 
     env = f"{device}, torch {torch.__version__}, {torch.get_num_threads()} threads, buckets of {BUCKET_NUMEL:,} elements"
     table = Table(title=f"{task.description}; AdamW; {env}")

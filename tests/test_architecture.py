@@ -224,12 +224,7 @@ def test_no_import_circles():
     assert _cycles() == []
 
 
-# being split along their seams (issue 13, part 2): the strict xfail turns red once they are
-_BEING_SPLIT = {"mixprec.scaling", "mixprec.masters.strategy"}
-
-
-@pytest.mark.parametrize("name", [pytest.param(m, marks=pytest.mark.xfail(strict=True)) if m in _BEING_SPLIT else m
-                                  for m in sorted(MODULES)])
+@pytest.mark.parametrize("name", sorted(MODULES))
 def test_no_module_over_500_lines(name):
     lines = len(MODULES[name].read_text(encoding="utf-8").splitlines())
     assert lines <= MAX_LINES, f"{name} has {lines} lines: split it along a seam"

@@ -45,13 +45,13 @@ def test_compact_strategies_resume_bit_for_bit_on_cuda(recipe):
 @pytest.mark.parametrize("recipe", ["bf16-true-kahan", "bf16-true-sr", "bf16-true-remainder", "fp16-true"])
 def test_bucketed_step_on_cuda_is_bitwise_the_whole_step_and_never_syncs(recipe, monkeypatch):
     # fp16-true: its loss scaler checks the deferred fp16 gradients on the device (fused AdamW skips there)
-    from mixprec.masters.strategy import MasterWeights
+    from mixprec.masters.base import MasterWeights
     from mixprec.tasks.charlm import lm_loss
 
     fused = lambda ps: torch.optim.AdamW(ps, lr=3e-3, fused=True)  # noqa: E731
 
     def run(bucketed, clip):
-        monkeypatch.setattr("mixprec.masters.strategy.BUCKET_NUMEL", 300)  # several buckets
+        monkeypatch.setattr("mixprec.masters.buckets.BUCKET_NUMEL", 300)  # several buckets
         if not bucketed:
             monkeypatch.setattr(MasterWeights, "can_step_in_buckets", lambda self, opts: False)
         model, mp, opt = setup(recipe, device="cuda", optimizer=fused)

@@ -25,7 +25,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from mixprec import MixedPrecision
-from mixprec.masters.strategy import MasterWeights
+from mixprec.masters.base import MasterWeights
 from mixprec.tasks.charlm import lm_loss
 
 COMPACT = ["bf16-true-kahan", "bf16-true-sr", "bf16-true-remainder", "bf16-pure"]
@@ -40,7 +40,7 @@ def _mode(monkeypatch, mode: str, bucket_numel: int = 300):
     """Patch the strategy for one run of ``mode``; undone on exit."""
     assert mode in MODES
     with monkeypatch.context() as m:
-        m.setattr("mixprec.masters.strategy.BUCKET_NUMEL", bucket_numel)
+        m.setattr("mixprec.masters.buckets.BUCKET_NUMEL", bucket_numel)
         if mode == "whole":
             m.setattr(MasterWeights, "can_step_in_buckets", lambda self, opts: False)
         if mode == "folded":

@@ -10,8 +10,8 @@ from masters_helpers import assert_bitwise_equal, setup, snapshot, train
 from torch import nn
 
 from mixprec import MixedPrecision
-from mixprec.masters.strategy import MasterWeights
 from mixprec.instruments.storage import LiveBytes
+from mixprec.masters.base import MasterWeights
 
 COMPACT = ["bf16-true-kahan", "bf16-true-sr", "bf16-true-remainder", "bf16-pure"]
 
@@ -39,7 +39,7 @@ OPTIMIZERS = {
 
 
 def _run(recipe, optimizer, bucketed, monkeypatch, steps=4, **mp_kwargs):
-    monkeypatch.setattr("mixprec.masters.strategy.BUCKET_NUMEL", 300)  # many buckets
+    monkeypatch.setattr("mixprec.masters.buckets.BUCKET_NUMEL", 300)  # many buckets
     if not bucketed:
         monkeypatch.setattr(MasterWeights, "can_step_in_buckets", lambda self, opts: False)
     model, mp, opt = setup(recipe, optimizer=_two_groups(OPTIMIZERS[optimizer]), **mp_kwargs)
@@ -79,7 +79,7 @@ def test_every_per_parameter_optimizer_steps_in_buckets_bitwise(optimizer, monke
 def test_fused_optimizer_overflow_skips_every_bucket_on_device(monkeypatch):
     # fp16 storage has no compact strategy; an inf loss under bf16 with skip_nonfinite takes the
     # same path: a fused optimizer gets found_inf and every bucket's step must be a no-op.
-    monkeypatch.setattr("mixprec.masters.strategy.BUCKET_NUMEL", 300)
+    monkeypatch.setattr("mixprec.masters.buckets.BUCKET_NUMEL", 300)
     make = lambda g: torch.optim.AdamW(g, lr=3e-3, fused=True)  # noqa: E731
     model, mp, opt = setup("bf16-true-kahan", optimizer=make, skip_nonfinite=True)
     train(model, mp, opt, range(1))
@@ -92,7 +92,7 @@ def test_fused_optimizer_overflow_skips_every_bucket_on_device(monkeypatch):
 
 @pytest.mark.parametrize("recipe", COMPACT)
 def test_unfused_overflow_skips_without_rebuilding_anything(recipe, monkeypatch):
-    monkeypatch.setattr("mixprec.masters.strategy.BUCKET_NUMEL", 300)
+    monkeypatch.setattr("mixprec.masters.buckets.BUCKET_NUMEL", 300)
     model, mp, opt = setup(recipe, skip_nonfinite=True)
     train(model, mp, opt, range(1))
     before = snapshot(model, mp, opt)
@@ -116,7 +116,7 @@ def test_optimizers_that_may_look_across_parameters_step_whole(monkeypatch):
     class MyAdamW(torch.optim.AdamW):  # a subclass may do anything in step(): not cut into parts
         pass
 
-    monkeypatch.setattr("mixprec.masters.strategy.BUCKET_NUMEL", 300)
+    monkeypatch.setattr("mixprec.masters.buckets.BUCKET_NUMEL", 300)
     model, mp, opt = setup("bf16-true-sr", optimizer=lambda g: MyAdamW(g, lr=3e-3))
     calls = []
     opt.register_step_pre_hook(lambda o, a, k: calls.append(sum(len(g["params"]) for g in o.param_groups)))
@@ -132,7 +132,7 @@ def test_optimizers_that_may_look_across_parameters_step_whole(monkeypatch):
 
 
 def test_lr_scheduler_sees_one_optimizer_step_and_keeps_its_wrapper(monkeypatch):
-    monkeypatch.setattr("mixprec.masters.strategy.BUCKET_NUMEL", 300)
+    monkeypatch.setattr("mixprec.masters.buckets.BUCKET_NUMEL", 300)
     model, mp, opt = setup("bf16-true-kahan")
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     wrapper = opt.__dict__.get("step")  # torch's schedulers wrap the instance's step to count calls
@@ -146,7 +146,7 @@ def test_lr_scheduler_sees_one_optimizer_step_and_keeps_its_wrapper(monkeypatch)
 
 def test_the_step_holds_one_bucket_of_rebuilt_values_not_the_model(monkeypatch):
     n = 128 * 128
-    monkeypatch.setattr("mixprec.masters.strategy.BUCKET_NUMEL", n)
+    monkeypatch.setattr("mixprec.masters.buckets.BUCKET_NUMEL", n)
     mp = MixedPrecision("bf16-true-sr", "cpu", fp32_params=())
     model = mp.prepare(nn.Sequential(*(nn.Linear(128, 128, bias=False) for _ in range(8))))
     opt = torch.optim.SGD(mp.parameters(model), lr=1e-3)
@@ -184,7 +184,7 @@ def test_deferred_16bit_gradients_step_bitwise_like_fp32_gradients(recipe, clip,
     # bf16 has no loss scaler: the gradients stay 16-bit until their bucket's turn; the clip's norm
     # is measured from them in fp32. Against folding every gradient to fp32 after backward.
     def run(defer):
-        monkeypatch.setattr("mixprec.masters.strategy.BUCKET_NUMEL", 300)
+        monkeypatch.setattr("mixprec.masters.buckets.BUCKET_NUMEL", 300)
         if not defer:
             _never_defer(monkeypatch)
         model, mp, opt = setup(recipe, optimizer=_two_groups(OPTIMIZERS["adamw-foreach"]), track_grad_norm=True)
@@ -205,7 +205,7 @@ def test_deferred_16bit_gradients_step_bitwise_like_fp32_gradients(recipe, clip,
 
 def test_clipping_a_subset_of_parameters_with_deferred_gradients(monkeypatch):
     def run(defer):
-        monkeypatch.setattr("mixprec.masters.strategy.BUCKET_NUMEL", 300)
+        monkeypatch.setattr("mixprec.masters.buckets.BUCKET_NUMEL", 300)
         if not defer:
             _never_defer(monkeypatch)
         model, mp, opt = setup("bf16-true-kahan")
@@ -219,7 +219,7 @@ def test_clipping_a_subset_of_parameters_with_deferred_gradients(monkeypatch):
 
 def test_deferral_with_a_loss_scaler_but_not_with_accumulation(monkeypatch):
     # a loss scaler checks the 16-bit gradients where they wait; accumulation makes fp32 ones
-    monkeypatch.setattr("mixprec.masters.strategy.BUCKET_NUMEL", 300)
+    monkeypatch.setattr("mixprec.masters.buckets.BUCKET_NUMEL", 300)
     for kwargs, deferred in (({"skip_nonfinite": True}, True), ({"accumulate": 2}, False)):
         model, mp, opt = setup("bf16-true-sr", **kwargs)
         seen = []

@@ -20,7 +20,7 @@ from mixprec.instruments.storage import LiveBytes
                                     "bf16-true-remainder", "bf16-pure"])
 def test_declared_step_temporaries_match_what_the_step_allocates(recipe, monkeypatch):
     n = 128 * 128  # per layer; four layers, one bucket each
-    monkeypatch.setattr("mixprec.masters.strategy.BUCKET_NUMEL", n)
+    monkeypatch.setattr("mixprec.masters.buckets.BUCKET_NUMEL", n)
     mp = MixedPrecision(recipe, "cpu", fp32_params=())
     model = mp.prepare(nn.Sequential(*(nn.Linear(128, 128, bias=False) for _ in range(4))))
     assert len(mp.masters.buckets) == 4

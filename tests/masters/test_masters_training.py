@@ -272,7 +272,7 @@ def test_fused_optimizer_skips_on_device_and_leaves_fp16_true_unchanged():
 def test_bucketing_does_not_change_a_bit(recipe, accumulate, monkeypatch):
     # The step runs on flat buckets of parameters; how they are cut must not show in the numbers.
     def run(limit):
-        monkeypatch.setattr("mixprec.masters.strategy.BUCKET_NUMEL", limit)
+        monkeypatch.setattr("mixprec.masters.buckets.BUCKET_NUMEL", limit)
         model, mp, opt = setup(recipe, accumulate=accumulate)
         train(model, mp, opt, range(6), poison={3}, max_grad_norm=1.0)
         return mp, snapshot(model, mp, opt)

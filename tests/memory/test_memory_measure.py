@@ -42,7 +42,7 @@ def test_plan_matches_measured_bytes_of_one_step(task, recipe):
 
 @pytest.mark.parametrize("recipe", ["bf16-true-sr", "bf16-true-kahan"])
 def test_a_step_in_several_buckets_holds_one_bucket_of_values(task, recipe, monkeypatch):
-    monkeypatch.setattr("mixprec.masters.strategy.BUCKET_NUMEL", 4096)  # as a large model's 2**24
+    monkeypatch.setattr("mixprec.masters.buckets.BUCKET_NUMEL", 4096)  # as a large model's 2**24
     measured = measure_step(task, recipe, "adamw", "cpu")
     p = plan(measured.counts, facts_from_recipe(get_recipe(recipe)), "adamw", SHAPE)
     t16 = measured.counts.trainable - measured.counts.fp32_kept
@@ -179,7 +179,7 @@ def test_cpu_peak_of_a_real_step_against_the_planned_peak(bucket, config, monkey
     # temporaries dominate a model this small) the plan is the peak.
     # Measured 2026-11-30: 0.86-1.02 for forward/backward peaks, 1.001 for step peaks.
     if bucket:
-        monkeypatch.setattr("mixprec.masters.strategy.BUCKET_NUMEL", bucket)
+        monkeypatch.setattr("mixprec.masters.buckets.BUCKET_NUMEL", bucket)
     task = load_task(None, **config)
     shape = TransformerShape(config["batch_size"], config["seq_len"], config["d_model"], 2, 4, vocab=96)
     for recipe in ("fp32", "bf16-mixed", "bf16-true", "bf16-true-kahan", "bf16-true-sr"):

@@ -12,19 +12,25 @@ The loop is the core one; only the optimizer is built over ``mp.parameters(model
         loss = loss_fn(model(x), y)
     mp.step(loss, opt)                                 # steps the masters, writes bf16 back
 
-- ``strategy``: the strategies and the contract ``MixedPrecision.step`` relies on.
+- ``base``: ``MasterWeights``, the base of the strategies, and the contract ``MixedPrecision.step``
+  relies on (attach, what the optimizer sees, the bucketed step, the state).
+- ``gradients``: 16-bit gradients folded into fp32 master gradients, and the deferred ones the
+  loss scaler and the clip read in place.
+- ``buckets``: slots and buckets (one flat tensor per bucket in the step) and the bucketed step.
+- ``variants``: the five strategies, ``STRATEGIES`` and ``make_masters``.
 - ``guard``: the optimizer pre-step hook that refuses to train 16-bit weights without masters.
 - ``rounding``: stochastic rounding, Kahan addition, fp32 <-> bf16 + int16 remainder.
 - ``rules``: which parameters stay fp32.
+- ``strategy``: compatibility only (the old home of the above; forwards reads to them).
 """
 
+from mixprec.masters.base import MasterWeights
 from mixprec.masters.rounding import join_fp32, kahan_add_, nearest_bf16, split_fp32, stochastic_round_bf16
 from mixprec.masters.rules import DEFAULT_FP32_PARAMS, fp32_param_names
-from mixprec.masters.strategy import (
+from mixprec.masters.variants import (
     STRATEGIES,
     Fp32Masters,
     KahanMasters,
-    MasterWeights,
     NearestMasters,
     RemainderMasters,
     StochasticRoundingMasters,

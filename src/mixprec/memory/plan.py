@@ -302,7 +302,7 @@ def facts_from_recipe(recipe: Any, device_type: str = "cpu") -> StorageFacts:
     already did). The device matters for autocast's op lists: on CUDA softmax runs in fp32."""
     from mixprec.formats import get_format
     from mixprec.masters import STRATEGIES
-    from mixprec.masters.strategy import BUCKET_NUMEL
+    from mixprec.masters.buckets import BUCKET_NUMEL
 
     param_bytes = get_format(recipe.policy.param_dtype).bytes
     compute_bytes = get_format(recipe.policy.compute_dtype).bytes

@@ -1,0 +1,200 @@
+"""The five master-weight strategies, ``STRATEGIES`` by kind and ``make_masters``.
+
+``Fp32Masters`` (an fp32 copy: the proxy is the master), ``KahanMasters`` (16-bit Kahan
+compensation), ``StochasticRoundingMasters`` (unbiased rounding to bf16, seeded generators kept in
+the state), ``RemainderMasters`` (bf16 + an int16 remainder = an exact fp32 master) and the unsafe
+baseline ``NearestMasters``. Each overrides the per-strategy hooks of ``MasterWeights``
+(``mixprec.masters.base``) on flat buckets (``mixprec.masters.buckets``), with the arithmetic of
+``mixprec.masters.rounding``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from mixprec.masters.base import MasterWeights
+from mixprec.masters.buckets import _Bucket, _flat, _flat_buffer, _Slot
+from mixprec.masters.rounding import join_fp32, kahan_add_, split_fp32, stochastic_round_bf16
+from mixprec.masters.rules import ParamRule
+
+
+class Fp32Masters(MasterWeights):
+    """An fp32 master copy per 16-bit parameter (Apex O2, Megatron): the proxy *is* the master."""
+
+    kind = "fp32"
+    extra_bytes = 4
+    value_bytes = 0  # the masters are the values: nothing to rebuild, the step runs whole
+    temp_bytes = 2  # the flat 16-bit gradients of a bucket, while they become fp32
+    description = "fp32 master copy, cast back to the model after each step"
+
+    def _init_bucket(self, b: _Bucket, values_32: list[torch.Tensor]) -> None:
+        for s, v in zip(b.slots, values_32):
+            s.proxy.data = v
+            s.param.copy_(v)
+
+    def _materialize_bucket(self, b: _Bucket) -> None:
+        pass  # the masters are the proxies' values already
+
+    def _write_back_bucket(self, b: _Bucket) -> None:
+        # round to nearest even, as torch casts; one foreach copy, no flat temporaries
+        torch._foreach_copy_([s.param.data for s in b.slots], [s.proxy.data for s in b.slots])
+
+    def _release_bucket(self, b: _Bucket) -> None:
+        pass
+
+    def master_value(self, slot: _Slot) -> torch.Tensor:
+        return slot.proxy.data
+
+    def extra_tensors(self, slot: _Slot) -> list[torch.Tensor]:
+        return [slot.proxy.data]
+
+    def _slot_state(self, slot: _Slot) -> dict[str, torch.Tensor]:
+        return {"master": slot.proxy.detach()}
+
+    def _load_slot_state(self, slot: _Slot, state: dict[str, torch.Tensor]) -> None:
+        slot.proxy.data.copy_(state["master"])
+        slot.param.copy_(slot.proxy.data)
+
+
+class KahanMasters(MasterWeights):
+    """No master: each update is added to the 16-bit weight with a 16-bit Kahan compensation."""
+
+    kind = "kahan"
+    extra_bytes = 2
+    temp_bytes = 22  # the compensated addition in fp32
+    description = "16-bit weights updated with a 16-bit Kahan compensation buffer"
+
+    def _init_bucket(self, b: _Bucket, values_32: list[torch.Tensor]) -> None:
+        super()._init_bucket(b, values_32)
+        _flat_buffer(b, "comp", torch.zeros(b.numel, dtype=self.storage_dtype, device=b.device))
+
+    def _write_back_bucket(self, b: _Bucket) -> None:
+        p_16 = self._flat_params(b)
+        kahan_add_(p_16, b.extra["comp"], torch.sub(self._stepped_values(b), p_16))
+        self._store_params(b, p_16)
+
+    def master_value(self, slot: _Slot) -> torch.Tensor:
+        # The compensation holds the negated rounding error: the running sum is param - comp.
+        return slot.param.to(torch.float32) - slot.extra["comp"].to(torch.float32)
+
+    def _slot_state(self, slot: _Slot) -> dict[str, torch.Tensor]:
+        return {"param": slot.param.detach(), "comp": slot.extra["comp"]}
+
+    def _load_slot_state(self, slot: _Slot, state: dict[str, torch.Tensor]) -> None:
+        slot.param.copy_(state["param"])
+        slot.extra["comp"].copy_(state["comp"])
+
+
+class StochasticRoundingMasters(MasterWeights):
+    """No master: the stepped fp32 value is rounded to bf16 stochastically (unbiased).
+
+    Args:
+        seed: seeds one generator per device; ``None`` uses ``torch.initial_seed()`` at attach, so
+            runs seeded with ``torch.manual_seed`` differ and repeat. The generator state is saved.
+    """
+
+    kind = "sr"
+    extra_bytes = 0
+    draws_on_write = True
+    temp_bytes = 11  # the random bits, the finiteness test and the rounded result
+    description = "bf16 weights, stepped in fp32 and stochastically rounded back (unbiased)"
+
+    def __init__(self, storage_dtype: torch.dtype, fp32_params: Sequence[ParamRule], seed: int | None = None) -> None:
+        super().__init__(storage_dtype, fp32_params)
+        self.seed = seed
+        self.generators: dict[str, torch.Generator] = {}
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        key = str(device)
+        g = self.generators.get(key)
+        if g is None:
+            seed = self.seed if self.seed is not None else torch.initial_seed()
+            g = self.generators[key] = torch.Generator(device=device)
+            g.manual_seed(seed % 2**63)
+        return g
+
+    def _init_bucket(self, b: _Bucket, values_32: list[torch.Tensor]) -> None:
+        super()._init_bucket(b, values_32)  # the starting point is rounded to nearest: no noise before training
+        self._generator(b.device)
+
+    def _write_back_bucket(self, b: _Bucket) -> None:
+        self._store_params(b, stochastic_round_bf16(self._stepped_values(b), self._generator(b.device)))
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        state["generators"] = {k: g.get_state() for k, g in self.generators.items()}
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        for key, gen_state in state.get("generators", {}).items():
+            self._generator(torch.device(key)).set_state(gen_state)
+
+
+class RemainderMasters(MasterWeights):
+    """An exact fp32 master kept as the bf16 weight plus an int16 remainder (Megatron's trick).
+
+    The model's weight is the master rounded to nearest with ties away from zero (it differs
+    from torch's ties-to-even cast only on exact ties): that is what lets 16 extra bits hold
+    the rest of the master exactly.
+    """
+
+    kind = "remainder"
+    extra_bytes = 2
+    temp_bytes = 11  # joining and splitting bit patterns
+    description = "bf16 weights + int16 remainders = an exact fp32 master"
+
+    def _init_bucket(self, b: _Bucket, values_32: list[torch.Tensor]) -> None:
+        high, rem = split_fp32(_flat(values_32))
+        self._store_params(b, high)
+        _flat_buffer(b, "rem", rem)
+
+    def _materialize_flat(self, b: _Bucket) -> torch.Tensor:
+        return join_fp32(self._flat_params(b), b.extra["rem"])
+
+    def _write_back_bucket(self, b: _Bucket) -> None:
+        high, rem = split_fp32(self._stepped_values(b))
+        self._store_params(b, high)
+        b.extra["rem"].copy_(rem)
+
+    def master_value(self, slot: _Slot) -> torch.Tensor:
+        return join_fp32(slot.param.data, slot.extra["rem"])
+
+    def _slot_state(self, slot: _Slot) -> dict[str, torch.Tensor]:
+        return {"master": self.master_value(slot)}
+
+    def _load_slot_state(self, slot: _Slot, state: dict[str, torch.Tensor]) -> None:
+        high, rem = split_fp32(state["master"].to(device=slot.param.device, dtype=torch.float32))
+        slot.param.copy_(high)
+        slot.extra["rem"].copy_(rem)
+
+
+class NearestMasters(MasterWeights):
+    """No master and no compensation: round to nearest after each step. UNSAFE, a baseline.
+
+    The optimizer still steps in fp32 with fp32 state; only the weight is rounded. Any update
+    smaller than half a 16-bit ulp of its weight (relative 2**-9 for bf16) is lost entirely.
+    """
+
+    kind = "nearest"
+    extra_bytes = 0
+    description = "16-bit weights rounded to nearest after each step, no master (small updates vanish)"
+
+    def _write_back_bucket(self, b: _Bucket) -> None:
+        self._store_params(b, self._stepped_values(b))  # the copy rounds to nearest even
+
+
+STRATEGIES: dict[str, type[MasterWeights]] = {
+    cls.kind: cls for cls in (Fp32Masters, KahanMasters, StochasticRoundingMasters, RemainderMasters, NearestMasters)
+}
+
+
+def make_masters(kind: str, storage_dtype: torch.dtype, fp32_params: Sequence[ParamRule]) -> MasterWeights:
+    """The strategy a recipe names (``Recipe.master``)."""
+    cls = STRATEGIES.get(kind)
+    if cls is None:
+        raise ValueError(f"unknown master-weight strategy {kind!r}; expected one of {sorted(STRATEGIES)}")
+    return cls(storage_dtype, fp32_params)

@@ -1,0 +1,60 @@
+"""The per-step record: which scale each step used and whether it was skipped, kept on the device.
+
+Holds ``_StepRecord``, the ``GradScaler`` mixin that reads it: ``last_skipped`` / ``last_scale``
+(0-d device tensors, no sync), ``was_skipped()``, ``skipped_steps`` and ``history()``. The record is
+written by ``GradScaler.update()`` itself (``mixprec.scaling.scaler``: a few lines inline, so the
+hot path pays no extra call) and its attributes are set by ``GradScaler.__init__``:
+``_last_found``, ``_last_scale``, ``_last_host_skipped``, the ``_record`` deque of
+``(update index, scale used, found inf)``, ``_updates`` and the device counter ``_skipped_total``.
+Also relies on ``_enabled``, and ``was_skipped()`` calls ``check_floor()`` (``mixprec.scaling.bounds``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class _StepRecord:
+    """Reading the per-step record (see the module docstring)."""
+
+    @property
+    def last_skipped(self) -> torch.Tensor | None:
+        """0-d bool device tensor: did the last ``update()``'s step overflow (and so skip)? No sync."""
+        return self._last_found
+
+    @property
+    def last_scale(self) -> torch.Tensor | None:
+        """0-d device tensor: the scale the last ``update()``'s step was taken (or skipped) with."""
+        return self._last_scale
+
+    def was_skipped(self) -> bool:
+        """Whether the last step was skipped. Free after an unfused step; otherwise one sync."""
+        if self._last_host_skipped is not None:
+            return self._last_host_skipped
+        if self._last_found is None:
+            return False
+        self.check_floor()
+        return bool(self._last_found.item())
+
+    @property
+    def skipped_steps(self) -> torch.Tensor | None:
+        """Total skipped steps as a 0-d device tensor (no sync)."""
+        return self._skipped_total if self._enabled else None
+
+    def history(self) -> dict[str, torch.Tensor]:
+        """The last ``record_steps`` steps as CPU tensors: ``step``, ``scale`` (used), ``skipped``.
+
+        One sync for all of them.
+        """
+        if not self._enabled or not self._record:
+            return {
+                "step": torch.zeros(0, dtype=torch.int64),
+                "scale": torch.zeros(0),
+                "skipped": torch.zeros(0, dtype=torch.bool),
+            }
+        steps, scales, found = zip(*self._record)
+        return {
+            "step": torch.tensor(steps, dtype=torch.int64),
+            "scale": torch.stack(scales).cpu(),
+            "skipped": torch.stack(found).cpu(),
+        }
