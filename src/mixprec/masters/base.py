@@ -166,6 +166,47 @@ class MasterWeights(_GradFolding):
                 start += len(b.slots)
         self._model = model
         install_guard()
+        # model.load_state_dict(...) after prepare (a pretrained checkpoint, a resume that forgot
+        # mp.load_state_dict) must reach the masters too, or the next step writes them back over it
+        self._loading: dict[int, torch.Tensor] = {}
+        model.register_load_state_dict_pre_hook(self._catch_load)
+        model.register_load_state_dict_post_hook(self._apply_load)
+
+    # ------------------------------------------------------------------ model.load_state_dict
+
+    def _catch_load(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any, strict: bool,
+                    missing_keys: list, unexpected_keys: list, error_msgs: list) -> None:
+        """Before the model loads: keep the incoming values of the 16-bit parameters, in full
+        precision (an fp32 checkpoint's values, before the copy into 16 bits rounds them)."""
+        if module is not self._model:
+            return
+        if self.stepping:
+            error_msgs.append("load_state_dict called in the middle of a mixprec step (after backward, before the "
+                              "optimizer step): load before the next forward")
+            return
+        self._loading = {}
+        for s in self.slots:
+            value = state_dict.get(prefix + s.name)
+            if not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.shape != s.param.shape:
+                continue  # missing, or a mismatch torch reports itself
+            if value.dtype == s.param.dtype and torch.equal(value.to(s.param.device), s.param.data):
+                continue  # this model's own 16-bit values coming back (mp.load_state_dict holds the masters)
+            self._loading[id(s)] = value
+
+    def _apply_load(self, module: nn.Module, incompatible_keys: Any) -> None:
+        """After the model loaded: the loaded parameters' masters (and the strategy's state) are
+        set from the incoming values, as ``prepare`` set them from the model's."""
+        loading, self._loading = self._loading, {}
+        if not loading:
+            return
+        with torch.no_grad():
+            for b in self.buckets:
+                if not any(id(sl) in loading for sl in b.slots):
+                    continue
+                values = [loading[id(sl)].detach().to(device=sl.param.device, dtype=torch.float32).clone()
+                          if id(sl) in loading else self.master_value(sl).clone() for sl in b.slots]
+                self._init_bucket(b, values)
+                self._release_bucket(b)
 
     def _placeholder(self, p: torch.Tensor) -> torch.Tensor:
         """A zero-byte fp32 stand-in of ``p``'s shape (one shared scalar, expanded)."""
