@@ -103,3 +103,105 @@ def test_a_policy_whose_output_is_16_bit_is_named_with_its_output_dtype():
 
     with pytest.warns(UserWarning, match=r"means p=f32,c=bf16,o=bf16.*write o=f32: p=f32,c=bf16,o=f32"):
         compare(load_task("fragile", steps=2), ("p=f32,c=bf16",), threads=1)
+
+
+# ---------------------------------------------------------------------------- the Python API
+
+def _mp_and_model(recipe="bf16-true"):
+    import torch
+    from torch import nn
+
+    from mixprec import MixedPrecision
+
+    mp = MixedPrecision(recipe, "cpu")
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    return mp, model, torch
+
+
+def _step_without_prepare():
+    mp, model, torch = _mp_and_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mp.step(model(torch.ones(2, 4)).sum(), opt)
+
+
+def _optimizer_over_another_module():
+    mp, model, torch = _mp_and_model()
+    model = mp.prepare(model)
+    other = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(other.parameters(), lr=0.1)
+    with mp.autocast():
+        loss = model(torch.ones(2, 4)).float().sum()
+    mp.step(loss, opt)
+
+
+def _step_with_none():
+    mp, model, torch = _mp_and_model("bf16-mixed")
+    mp.step(model(torch.ones(2, 4)).sum(), None)
+
+
+def _scheduler_is_a_string():
+    mp, model, torch = _mp_and_model("bf16-mixed")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mp.step(model(torch.ones(2, 4)).sum(), opt, scheduler="cosine")
+
+
+def _load(state):
+    def run():
+        mp, _, _ = _mp_and_model("fp16-mixed")
+        mp.load_state_dict(state)
+    return run
+
+
+def _scaler(**kwargs):
+    def run():
+        from mixprec import GradScaler
+        GradScaler("cpu", **kwargs)
+    return run
+
+
+def _update(new_scale):
+    def run():
+        import torch
+
+        from mixprec import GradScaler
+
+        s = GradScaler("cpu")
+        s.scale(torch.ones(()))
+        s.update(new_scale=new_scale)
+    return run
+
+
+def _torch_scaler_state():
+    import torch
+    return torch.amp.GradScaler("cpu").state_dict() | {"scale": 8.0, "_growth_tracker": 0}
+
+
+API_CASES = [
+    (_step_without_prepare, RuntimeError, "call model = mp.prepare(model) before training"),
+    (_optimizer_over_another_module, ValueError, "holds none of the parameters of the prepared Sequential"),
+    (_step_with_none, TypeError, "expects torch.optim.Optimizer instances"),
+    (_scheduler_is_a_string, TypeError, "scheduler must be an lr scheduler"),
+    (_load({"hello": 1}), ValueError, "not a MixedPrecision state dict"),
+    (_load([1, 2]), TypeError, "expects the dict mp.state_dict() returned"),
+    (_load("torch-scaler"), ValueError, "mp.scaler.load_state_dict(state)"),
+    (_scaler(init_scale=0.0), ValueError, "init_scale must be a finite number > 0"),
+    (_scaler(init_scale=float("inf")), ValueError, "init_scale must be a finite number > 0"),
+    (_update(8), TypeError, "write 8.0"),
+    (_update(True), TypeError, "Got bool True"),
+    (_update(0.0), ValueError, "new_scale must be a finite float > 0"),
+]
+
+
+@pytest.mark.parametrize("case, error, fragment", API_CASES, ids=[c[0].__qualname__ for c in API_CASES])
+def test_api_bad_input_is_a_clear_error(case, error, fragment):
+    if case.__qualname__.startswith("_load") and "torch-scaler" in repr(case.__closure__[0].cell_contents):
+        case = _load(_torch_scaler_state())
+    with pytest.raises(error) as info:
+        case()
+    assert fragment in str(info.value)
+
+
+def test_load_state_dict_with_strict_false_still_refuses_what_is_not_a_state_dict():
+    mp, _, _ = _mp_and_model("fp16-mixed")
+    with pytest.raises(ValueError, match="not a MixedPrecision state dict"):
+        mp.load_state_dict({"hello": 1}, strict=False)

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from torch import nn
 
 from mixprec.formats import accepted_names, get_format
 
@@ -124,3 +125,23 @@ def get_policy(policy_name: str | Policy) -> Policy:
     compute = found.get("compute_dtype", param)
     output = found.get("output_dtype", compute)
     return Policy(param, compute, output)
+
+
+class OutputCast:
+    """Forward hook casting a model's floating outputs to the policy's output dtype."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> Any:
+        return cast_floating(output, self.dtype)
+
+
+class InputCast:
+    """Forward pre-hook casting a model's floating inputs to the compute dtype (``Recipe.pure``)."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return cast_floating(args, self.dtype), cast_floating(kwargs, self.dtype)

@@ -19,10 +19,10 @@ the 16-bit model. Their optimizer is built over ``mp.parameters(model)``, the fp
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import warnings
+import weakref
 from collections.abc import Iterable, Sequence
-from typing import Any, Union
+from typing import Any
 
 import torch
 from torch import nn
@@ -30,78 +30,17 @@ from torch import nn
 from mixprec.formats import short_name
 from mixprec.islands import Rule, as_rules, keep_fp32
 from mixprec.masters import MasterWeights, make_masters
-from mixprec.policy import cast_floating
+from mixprec.policy import InputCast, OutputCast
 from mixprec.recipes import Recipe, as_device, resolve_recipe
 from mixprec.scaling import GradScaler, NoOpScaler, StaticLossScaler
-
-
-@dataclasses.dataclass
-class StepStats:
-    """What one call to ``MixedPrecision.step`` did. Tensors stay on the device: reading them
-    (``float(stats.loss)``, ``stats.to_dict()``) is a host sync, and yours to choose.
-
-    Attributes:
-        loss: the unscaled fp32 loss (at an accumulation boundary: the mean over the window).
-        grad_norm: total gradient norm before clipping (None unless clipping or ``track_grad_norm``).
-        scale: the loss scale this step's backward used (1.0 without a scaler).
-        skipped: 0-d bool; True when the optimizer step was attempted and skipped for inf/NaN
-            gradients (parameters and optimizer state left as they were).
-        stepped: whether an optimizer step was *attempted* at this call: False for an accumulation
-            micro-step. So ``stepped=True, skipped=True`` is a step that was due and skipped; the
-            update was applied when ``stepped and not skipped``.
-        step: optimizer steps attempted so far, skipped ones included.
-    """
-
-    loss: torch.Tensor
-    grad_norm: torch.Tensor | None
-    scale: torch.Tensor
-    skipped: torch.Tensor
-    stepped: bool
-    step: int
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain Python values (one sync per tensor field)."""
-        return {
-            "loss": float(self.loss),
-            "grad_norm": None if self.grad_norm is None else float(self.grad_norm),
-            "scale": float(self.scale),
-            "skipped": bool(self.skipped),
-            "stepped": self.stepped,
-            "step": self.step,
-        }
-
-
-class _OutputCast:
-    """Forward hook casting a model's floating outputs to the policy's output dtype."""
-
-    def __init__(self, dtype: torch.dtype) -> None:
-        self.dtype = dtype
-
-    def __call__(self, module: nn.Module, args: Any, output: Any) -> Any:
-        return cast_floating(output, self.dtype)
-
-
-class _InputCast:
-    """Forward pre-hook casting a model's floating inputs to the compute dtype (``Recipe.pure``)."""
-
-    def __init__(self, dtype: torch.dtype) -> None:
-        self.dtype = dtype
-
-    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        return cast_floating(args, self.dtype), cast_floating(kwargs, self.dtype)
-
-
-Optimizers = Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]]
-
-
-def _as_optimizers(optimizers: Optimizers) -> list[torch.optim.Optimizer]:
-    opts = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers)
-    if not opts:
-        raise ValueError("step() needs at least one optimizer")
-    for o in opts:
-        if not isinstance(o, torch.optim.Optimizer):
-            raise TypeError(f"step() expects torch.optim.Optimizer instances, got {type(o).__name__}")
-    return opts
+from mixprec.step_io import (
+    Optimizers,
+    StepStats,
+    _as_optimizers,
+    _check_max_grad_norm,
+    _check_mp_state,
+    _check_schedulers,
+)
 
 
 class MixedPrecision:
@@ -159,6 +98,7 @@ class MixedPrecision:
         self._one: torch.Tensor | None = None
         self._false: torch.Tensor | None = None
         self.masters: MasterWeights | None = None
+        self._model_ref: Any = None  # a weakref to the last prepared model
         if self.recipe.stores_16bit:
             rule = self.recipe.fp32_params if fp32_params is None else tuple(as_rules(fp32_params))
             self.masters = make_masters(self.recipe.master, self.policy.param_dtype, rule)
@@ -217,9 +157,9 @@ class MixedPrecision:
         self._check_params(model)
         if self.recipe.autocast:
             keep_fp32(model, [*self.recipe.fp32_modules, *self.fp32_modules], self.device.type)
-            model.register_forward_hook(_OutputCast(self.policy.output_dtype))
+            model.register_forward_hook(OutputCast(self.policy.output_dtype))
             if self.recipe.pure:
-                model.register_forward_pre_hook(_InputCast(self.policy.compute_dtype), with_kwargs=True)
+                model.register_forward_pre_hook(InputCast(self.policy.compute_dtype), with_kwargs=True)
                 for module in model.modules():
                     for name, buf in module.named_buffers(recurse=False):
                         if buf is not None and buf.is_floating_point():
@@ -229,6 +169,7 @@ class MixedPrecision:
         if self.masters is not None:
             self.masters.attach(model)
         model._mixprec_recipe = self.recipe.name  # type: ignore[attr-defined]
+        self._model_ref = weakref.ref(model)  # reset() clears its gradients
         if self.nan_guard:
             from mixprec.diagnostics.guard import NanGuard  # a tool: imported only when asked for
 
@@ -324,22 +265,59 @@ class MixedPrecision:
         """
         opts = _as_optimizers(optimizers)
         _check_max_grad_norm(max_grad_norm)
+        _check_schedulers(scheduler)
+        self._check_prepared()
         loss32 = self._check_loss(loss)
-        micro = loss32 / self.accumulate if self.accumulate > 1 else loss32
-        self.scaler.scale(micro).backward(retain_graph=retain_graph)
-        detached = micro.detach()
-        self._loss_sum = detached if self._loss_sum is None else self._loss_sum + detached
-        self._micro += 1
-        self.after_backward(opts, boundary=self._micro >= self.accumulate)
-        one, false = self._constants()
-        if self._micro < self.accumulate:
-            scale = self.scaler.scale_tensor
-            return StepStats(loss32.detach(), None, one if scale is None else scale, false, False, self._steps)
+        try:
+            micro = loss32 / self.accumulate if self.accumulate > 1 else loss32
+            self.scaler.scale(micro).backward(retain_graph=retain_graph)
+            detached = micro.detach()
+            self._loss_sum = detached if self._loss_sum is None else self._loss_sum + detached
+            self._micro += 1
+            self.after_backward(opts, boundary=self._micro >= self.accumulate)
+            one, false = self._constants()
+            if self._micro < self.accumulate:
+                scale = self.scaler.scale_tensor
+                return StepStats(loss32.detach(), None, one if scale is None else scale, false, False, self._steps)
 
-        window_loss, self._loss_sum, self._micro = self._loss_sum, None, 0
-        self.unscale_(opts)
-        grad_norm = self.clip_grad_norm_(opts, max_grad_norm, norm_type, parameters=parameters)
-        return self.optimizer_step(opts, scheduler=scheduler, loss=window_loss, grad_norm=grad_norm)
+            window_loss, self._loss_sum, self._micro = self._loss_sum, None, 0
+            self.unscale_(opts)
+            grad_norm = self.clip_grad_norm_(opts, max_grad_norm, norm_type, parameters=parameters)
+            return self.optimizer_step(opts, scheduler=scheduler, loss=window_loss, grad_norm=grad_norm)
+        except BaseException:  # KeyboardInterrupt too: whatever the user's loop does next must work
+            self.reset(opts)
+            raise
+
+    def reset(self, optimizers: Optimizers | None = None) -> None:
+        """Discard the accumulation window and any step in progress: every gradient (of
+        ``optimizers``' parameters, of the prepared model, and the 16-bit ones waiting for the
+        masters), the micro-step counter and window loss, and the scaler's record of the step
+        (which optimizers it unscaled, what inf checks it made). The loss scale, the masters and
+        the optimizer state stay as they are: the next ``step`` starts a fresh window.
+
+        ``step`` calls it when it raises (a failing backward, a hook, the optimizer, a
+        KeyboardInterrupt), so the failed micro-batch leaves nothing behind and the next step does
+        not raise "unscale_() has already been called". Call it yourself after an exception
+        outside ``step`` (in the forward, between micro-steps). Parameters an optimizer had already
+        updated before the exception stay updated.
+        """
+        self.scaler.discard_step()
+        if self.masters is not None:
+            self.masters.abort_step()
+        for opt in _as_optimizers(optimizers) if optimizers is not None else ():
+            opt.zero_grad(set_to_none=True)
+        model = self._model_ref() if self._model_ref is not None else None
+        if model is not None:
+            model.zero_grad(set_to_none=True)
+        self._micro, self._loss_sum = 0, None
+
+    def _check_prepared(self) -> None:
+        if self.masters is not None and self.masters._model is None:
+            raise RuntimeError(
+                f"recipe {self.recipe.name!r} stores weights in 16 bits and trains fp32 masters, which "
+                "prepare() creates: call model = mp.prepare(model) before training, and build the optimizer "
+                "over mp.parameters(model)"
+            )
 
     # The step's parts, for a framework that owns backward and optimizer.step (mixprec.integrations):
     # backward of mp.scaler.scale(loss), after_backward; at the boundary unscale_, clip_grad_norm_,
@@ -450,6 +428,7 @@ class MixedPrecision:
 
     def load_state_dict(self, state: dict[str, Any], strict: bool = True) -> None:
         """Restore from ``state_dict()``. With ``strict``, the recipe must be the same."""
+        _check_mp_state(state)
         if strict and state.get("recipe") != self.recipe.name:
             raise ValueError(
                 f"checkpoint was saved with recipe {state.get('recipe')!r}, this MixedPrecision uses "
@@ -479,12 +458,6 @@ class MixedPrecision:
 
     def __repr__(self) -> str:
         return f"MixedPrecision({self.recipe.name!r}, device={str(self.device)!r})"
-
-
-def _check_max_grad_norm(max_grad_norm: float | None) -> None:
-    if max_grad_norm is not None and not float(max_grad_norm) > 0:
-        raise ValueError(f"max_grad_norm must be > 0 (or None for no clipping), got {max_grad_norm!r}: a norm "
-                         "of 0 would zero every update, a negative one would reverse it")
 
 
 def _check_nan_guard(flag: Any) -> Any:

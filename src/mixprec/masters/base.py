@@ -165,6 +165,8 @@ class MasterWeights(_GradFolding):
                 self._init_bucket(b, values_32[start:start + len(b.slots)])
                 start += len(b.slots)
         self._model = model
+        # what an optimizer of this model holds: the proxies and the parameters kept in fp32
+        self._ours = {id(s.proxy) for s in self.slots} | {id(p) for p in model.parameters() if id(p) not in self._by_param}
         install_guard()
         # model.load_state_dict(...) after prepare (a pretrained checkpoint, a resume that forgot
         # mp.load_state_dict) must reach the masters too, or the next step writes them back over it
@@ -235,12 +237,25 @@ class MasterWeights(_GradFolding):
         return [self._by_param[id(p)].proxy if id(p) in self._by_param else p for p in params]
 
     def check_optimizers(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
-        """Raise if an optimizer holds a 16-bit model parameter instead of its fp32 proxy."""
+        """Raise if an optimizer holds a 16-bit model parameter instead of its fp32 proxy, or if
+        the optimizers hold none of the prepared model's parameters at all (built over another
+        module: the model would never train, and the step would say it stepped). An extra
+        optimizer for parameters outside the model is fine beside one of the model's."""
+        ours = self._ours
+        held = False
         for opt in optimizers:
             for group in opt.param_groups:
                 for p in group["params"]:
                     if id(p) in self._by_param:
                         raise ValueError(built_over_16bit(self._by_param[id(p)].name, self.storage_dtype))
+                    held = held or id(p) in ours
+        if not held:
+            names = ", ".join(type(o).__name__ for o in optimizers)
+            raise ValueError(
+                f"the optimizer ({names}) holds none of the parameters of the prepared "
+                f"{type(self._model).__name__}: it was built over another module (or over parameters "
+                "replaced since). Build it over mp.parameters(model) for the prepared model"
+            )
 
     # ------------------------------------------------------------------ the step
 
@@ -307,6 +322,19 @@ class MasterWeights(_GradFolding):
                     s.proxy.grad = None
                     if self.deferred:  # never folded: not stepped (skipped, or not the optimizer's)
                         s.param.grad = None
+                self._release_bucket(b)
+        self.stepping = self.in_buckets = self.deferred = self._optimizer_called = False
+        self._grad_coef, self._clipped, self._grad_unscale, self._unscaled = None, set(), None, set()
+
+    def abort_step(self) -> None:
+        """After an exception inside a step: drop every gradient (16-bit and fp32), release what
+        was rebuilt for the step and forget its unscale and clip state. Masters keep their values;
+        buckets an optimizer had already stepped were written back before the next one began."""
+        with torch.no_grad():
+            for b in self.buckets:
+                for s in b.slots:
+                    s.proxy.grad = None
+                    s.param.grad = None
                 self._release_bucket(b)
         self.stepping = self.in_buckets = self.deferred = self._optimizer_called = False
         self._grad_coef, self._clipped, self._grad_unscale, self._unscaled = None, set(), None, set()

@@ -17,8 +17,8 @@ Where host syncs remain: an unfused optimizer's ``step`` reads found_inf with ``
 whether to call ``optimizer.step()`` (one sync per optimizer per step, as in torch). Fused
 optimizers (``Adam/AdamW/Adagrad/SGD(fused=True)``) receive ``grad_scale`` / ``found_inf`` tensors and
 skip on the device: ``scale``/``unscale_``/``step``/``update`` then never sync. Exception: fused SGD
-with momentum corrupts its momentum buffer on skipped steps (a torch bug), so it takes the
-unfused, syncing path here. ``get_scale()``,
+with momentum leaves its momentum buffer uninitialised when its first step is skipped (a torch
+bug; see ``stages._fused_skip_unsafe``), so it takes the unfused, syncing path here. ``get_scale()``,
 ``state_dict()``, ``was_skipped()`` and ``history()`` read device values and so sync when called.
 With a fused optimizer, ``on_floor="raise"/"warn"`` is checked at those reads (``check_floor()``);
 with an unfused one it is checked in ``update()`` on overflow steps only.

@@ -39,6 +39,10 @@ def _check_bounds(
     init_scale: float, hysteresis: int, min_scale: float | None, max_scale: float | None, on_floor: Any
 ) -> None:
     """Raise ``ScalerConfigError`` for bounds arguments ``GradScaler`` cannot honour."""
+    if isinstance(init_scale, bool) or not isinstance(init_scale, (int, float)) or not math.isfinite(init_scale) \
+            or not init_scale > 0:
+        # torch accepts 0 (the first step's weights become NaN and the step is not even skipped)
+        raise ScalerConfigError(f"init_scale must be a finite number > 0 (2**16 is torch's default), got {init_scale!r}")
     if int(hysteresis) < 1:
         raise ScalerConfigError(f"hysteresis must be an integer >= 1 (1 = torch's behaviour), got {hysteresis}")
     if min_scale is not None and not min_scale > 0:

@@ -1,4 +1,4 @@
-"""The scalers' two exception types (raised by ``bounds``, ``scaler`` and ``static``; relies on nothing)."""
+"""The scalers' exception types (raised by ``bounds``, ``scaler`` and ``static``; relies on nothing)."""
 
 from __future__ import annotations
 
@@ -9,3 +9,7 @@ class ScaleFloorError(RuntimeError):
 
 class ScalerConfigError(ValueError, AssertionError):
     """Bad scaler configuration. Also an AssertionError: torch's GradScaler raises that type."""
+
+
+class ScaleTypeError(TypeError, AssertionError):
+    """A new scale of the wrong type. Also an AssertionError: torch's GradScaler raises that type."""

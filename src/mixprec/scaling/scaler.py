@@ -14,6 +14,7 @@ and pickling. The mixins hold the rest: ``stages._OptimizerStages`` (unscale_, s
 from __future__ import annotations
 
 import collections
+import math
 import warnings
 from collections import abc, defaultdict
 from typing import Any
@@ -21,7 +22,7 @@ from typing import Any
 import torch
 
 from mixprec.scaling.bounds import OnFloor, _Bounds, _check_bounds, _is_power_of_two
-from mixprec.scaling.errors import ScalerConfigError
+from mixprec.scaling.errors import ScalerConfigError, ScaleTypeError
 from mixprec.scaling.record import _StepRecord
 from mixprec.scaling.stages import _fresh_optimizer_state, _OptimizerStages
 
@@ -169,6 +170,14 @@ class GradScaler(_OptimizerStages, _Bounds, _StepRecord, torch.amp.GradScaler):
 
     # ------------------------------------------------------------------ update
 
+    def discard_step(self) -> None:
+        """Forget the step in progress (each optimizer's stage and inf checks) without touching the
+        scale: after an exception between ``unscale_`` and ``update``, the next step starts clean
+        instead of raising "unscale_() has already been called". ``MixedPrecision.step`` calls it
+        when it raises."""
+        if self._enabled:
+            self._per_optimizer_states = defaultdict(_fresh_optimizer_state)
+
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """Lower the scale after an overflow, raise it after ``growth_interval`` clean steps.
 
@@ -193,7 +202,8 @@ class GradScaler(_OptimizerStages, _Bounds, _StepRecord, torch.amp.GradScaler):
         combined = found_infs[0]
         for f in found_infs[1:]:
             combined = combined + f
-        host = [s["host_found_inf"] for s in self._per_optimizer_states.values() if s["found_inf_per_device"]]
+        # .get: code written for torch's GradScaler may have made these states itself (torch's keys only)
+        host = [s.get("host_found_inf") for s in self._per_optimizer_states.values() if s["found_inf_per_device"]]
         self._last_host_skipped = None if any(h is None for h in host) else any(host)
 
         found = combined > 0
@@ -214,16 +224,20 @@ class GradScaler(_OptimizerStages, _Bounds, _StepRecord, torch.amp.GradScaler):
 
     def _set_scale(self, new_scale: float | torch.Tensor) -> None:
         assert self._scale is not None
-        if isinstance(new_scale, (float, int)) and not isinstance(new_scale, bool):
-            self._scale.fill_(float(new_scale))
-            self._pow2 = self._all_powers_of_two(new_scale)
-            return
         reason = (
             "new_scale should be a float or a 1-element torch.cuda.FloatTensor or "
             "torch.FloatTensor with requires_grad=False."
         )
-        if not isinstance(new_scale, torch.Tensor):
-            raise AssertionError(reason)
+        if isinstance(new_scale, float):
+            if not (math.isfinite(new_scale) and new_scale > 0):
+                raise ScalerConfigError(f"new_scale must be a finite float > 0, got {new_scale!r}")
+            self._scale.fill_(new_scale)
+            self._pow2 = self._all_powers_of_two(new_scale)
+            return
+        if not isinstance(new_scale, torch.Tensor):  # torch refuses an int (8) too; say what it takes
+            raise ScaleTypeError(f"{reason} Got {type(new_scale).__name__} {new_scale!r}"
+                                 + (f"; write {float(new_scale)!r}" if isinstance(new_scale, int)
+                                    and not isinstance(new_scale, bool) else ""))
         if new_scale.device.type != self._device:
             raise AssertionError(reason)
         if new_scale.numel() != 1:

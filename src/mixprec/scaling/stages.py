@@ -19,28 +19,30 @@ from __future__ import annotations
 import inspect
 import warnings
 from collections import defaultdict
-from enum import Enum
 from typing import Any
 
 import torch
+from torch.amp.grad_scaler import OptState
 
 
-class _Stage(Enum):
-    READY = 0
-    UNSCALED = 1
-    STEPPED = 2
+# torch's own enum and keys: code written against torch.amp.GradScaler's internals (a helper that
+# unscales gradients itself and marks the optimizer UNSCALED) keeps working on this scaler
+_Stage = OptState
 
 
 def _fresh_optimizer_state() -> dict[str, Any]:
-    return {"stage": _Stage.READY, "found_inf_per_device": {}, "host_found_inf": None}
+    """torch's per-optimizer state (``stage``, ``found_inf_per_device``); mixprec adds
+    ``host_found_inf`` when an unfused step has read it, and reads it with ``.get``."""
+    return {"stage": OptState.READY, "found_inf_per_device": {}}
 
 
 def _fused_skip_unsafe(optimizer: torch.optim.Optimizer) -> bool:
     """Fused optimizers whose on-device skip is known to touch state it must leave alone.
 
-    torch's fused SGD with momentum writes the momentum buffer on a step its ``found_inf`` says to
-    skip (on a first step it is left uninitialised: seen on torch 2.13 CPU; reported on 2.11 CUDA,
-    LibreYOLO PR #771), so the next real step diverges. Such optimizers take the unfused path:
+    torch's fused SGD with momentum, when the *first* step is one its ``found_inf`` says to skip,
+    allocates the momentum buffer without initialising it (seen on torch 2.13 CPU: NaN, 3.4e38;
+    reported on 2.11 CUDA, LibreYOLO PR #771), and the next real step reads it; a later skipped
+    step leaves the buffer alone. Such optimizers take the unfused path:
     the host decides, and a skipped step never calls ``optimizer.step()``. That costs the sync the
     fused path avoids, and departs from torch's GradScaler, which corrupts the buffer.
     """
@@ -224,10 +226,12 @@ class _OptimizerStages:
             else scale * getattr(optimizer, "grad_scale", 1)
         )
         optimizer.found_inf = found_inf  # type: ignore[attr-defined]
-        retval = optimizer.step(*args, **kwargs)
+        try:
+            retval = optimizer.step(*args, **kwargs)
+        finally:  # an optimizer that raised must not keep them: the next step would multiply by a stale scale
+            del optimizer.grad_scale  # type: ignore[attr-defined]
+            del optimizer.found_inf  # type: ignore[attr-defined]
         state["stage"] = _Stage.STEPPED
-        del optimizer.grad_scale  # type: ignore[attr-defined]
-        del optimizer.found_inf  # type: ignore[attr-defined]
         return retval
 
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
