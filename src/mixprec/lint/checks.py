@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 
+from mixprec.lint.checkpoints import checkpoint_hits, method_calls
 from mixprec.lint.flow import Branch, Event, Flow, Region, exclusive, opposite_arms
 from mixprec.lint.names import Script, argument, key_of, last
 from mixprec.lint.report import Hit
@@ -259,17 +260,7 @@ def _may_reach(escape: Event, scaler: str | None) -> bool:
 
 
 def file_checks(script: Script) -> list[Hit]:
-    return [*_update_never_called(script), *_half_model(script), *_checkpoint_without_scaler(script)]
-
-
-def _method_calls(script: Script, method: str) -> list[tuple[str, ast.Call]]:
-    """(receiver key, call) for each ``key.method(...)``; every method when ``method`` is empty."""
-    out = []
-    for call in script.calls:
-        func = call.func
-        if isinstance(func, ast.Attribute) and method in ("", func.attr) and key_of(func.value):
-            out.append((key_of(func.value), call))
-    return out
+    return [*_update_never_called(script), *_half_model(script), *checkpoint_hits(script)]
 
 
 def _update_never_called(script: Script) -> list[Hit]:  # MP104 (the whole-file half)
@@ -277,7 +268,7 @@ def _update_never_called(script: Script) -> list[Hit]:  # MP104 (the whole-file 
     code that might update it (compared by last name: ``self.scaler`` and ``trainer.scaler``
     may be one object). A scaler the stepping function receives as a parameter belongs to
     its caller, which may update it after the call (a runner calling ``train_step``)."""
-    updated = {last(k) for k, _ in _method_calls(script, "update") if script.is_scaler(k)}
+    updated = {last(k) for k, _ in method_calls(script, "update") if script.is_scaler(k)}
     passed = set()
     for call in script.calls:
         for arg in [*call.args, *(kw.value for kw in call.keywords)]:
@@ -285,7 +276,7 @@ def _update_never_called(script: Script) -> list[Hit]:  # MP104 (the whole-file 
             if k is not None:
                 passed.add(last(k))
     hits = []
-    for k, call in _method_calls(script, "step"):
+    for k, call in method_calls(script, "step"):
         name = last(k)
         if not script.is_scaler(k) or script.scaler_enabled(k) is False:
             continue
@@ -364,91 +355,6 @@ def _half_model(script: Script) -> list[Hit]:  # MP106
         for k, cast in sorted(casts, key=lambda kc: kc[1].lineno)
         if any(script.same_scope(cast, opt, k) for opt in trained.get(k, []))
     ]
-
-
-def _checkpoint_without_scaler(script: Script) -> list[Hit]:  # MP111
-    live = [k for k in script.scaler_keys if script.scaler_enabled(k) is not False]
-    if not live or any(script.is_scaler(k) for k, _ in _method_calls(script, "state_dict")):
-        return []
-    mutated = {k for k, _ in _method_calls(script, "update")} | {
-        key_of(t.value)
-        for node in script.nodes
-        if isinstance(node, (ast.Assign, ast.AugAssign))
-        for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
-        if isinstance(t, ast.Subscript)
-    }
-    uses: dict[str, list[ast.Call]] = {}  # scaler -> calls of its methods
-    for k, call in _method_calls(script, ""):
-        uses.setdefault(k, []).append(call)
-    hits = []
-    for call in script.calls:
-        if script.qualname(call.func) != "torch.save" or not call.args:
-            continue
-        in_scope = [
-            k
-            for k in live
-            if any(script.owner(site) is None for site in script.scaler_sites.get(k, []))  # a script's global
-            or any(script.same_scope(call, use, k) for use in uses.get(k, []))
-        ]
-        if not in_scope:
-            continue
-        saved = call.args[0]
-        if key_of(saved) in mutated:
-            continue  # entries added later; cannot tell what ends up saved
-        values = _saved_values(script, saved, call)
-        if not values or not all(_lacks_scaler_state(script, v) for v in values):
-            continue
-        hits.append(
-            Hit("MP111", call, f"checkpoint saves model and optimizer state but not {sorted(in_scope)[0]}.state_dict()")
-        )
-    return hits
-
-
-def _saved_values(script: Script, saved: ast.AST, call: ast.Call) -> list[ast.AST]:
-    """What ``torch.save(saved, ...)`` may save: the expression itself, or for a name, its one
-    value in the file, else every value assigned to it earlier in the function that saves (when
-    plain assignments are its only bindings there). Empty when that cannot be told."""
-    if not isinstance(saved, ast.Name):
-        return [saved]
-    single = script.single_value(saved)
-    if single is not None:
-        return [single]
-    values = script.assigns.get(saved.id, [])
-    if script.store_count(saved.id) != len(values):
-        return []  # also bound another way (a loop target, ``with ... as``, ``+=``)
-    owner = script.owner(call)
-    return [v for v in values if script.owner(v) is owner and v.lineno < call.lineno]
-
-
-def _lacks_scaler_state(script: Script, value: ast.AST) -> bool:
-    """A dict display with the model's and the optimizer's state and nothing named like a scaler."""
-    entries = _dict_entries(value)
-    if entries is None:
-        return False
-    names = {k: str(k.value).lower() for k in entries if isinstance(k, ast.Constant)}
-    if any("scal" in name for name in names.values()):
-        return False
-    optimizer = [k for k, v in entries.items() if _is_state_dict(v) and script.is_optimizer(key_of(v.func.value))]
-    model = [k for k, v in entries.items() if k not in optimizer and (_is_state_dict(v) or "model" in names.get(k, ""))]
-    return bool(optimizer and model)
-
-
-def _is_state_dict(node: ast.AST) -> bool:
-    return (
-        isinstance(node, ast.Call)
-        and isinstance(node.func, ast.Attribute)
-        and node.func.attr == "state_dict"
-        and key_of(node.func.value) is not None
-    )
-
-
-def _dict_entries(node: ast.AST | None) -> dict[ast.AST, ast.AST] | None:
-    """{key node: value node} of a dict display or ``dict(k=v)``; None for anything else."""
-    if isinstance(node, ast.Dict):
-        return {k: v for k, v in zip(node.keys, node.values) if k is not None}
-    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "dict":
-        return {ast.Constant(kw.arg): kw.value for kw in node.keywords if kw.arg}
-    return None
 
 
 def check(script: Script) -> list[Hit]:
