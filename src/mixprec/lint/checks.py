@@ -69,6 +69,7 @@ class FunctionChecks:
             self.step_twice,
             self.precision_and_scaler,
             self.step_on_unscaled,
+            self.unscale_per_micro_batch,
         ):
             check()
         return self.hits
@@ -250,6 +251,79 @@ class FunctionChecks:
                 f"backward() on an unscaled loss, then {step.scaler}.step() unscales the gradients; "
                 f"use {step.scaler}.scale(loss).backward(){_via(back)}",
             )
+
+
+    def unscale_per_micro_batch(self) -> None:  # MP114
+        """``scaler.unscale_(opt)`` on every iteration of a micro-batch loop (a backward() on
+        every iteration too) while ``update()`` runs only at the accumulation boundary (an ``if``
+        on the loop's counter) or after the loop: the second micro-batch raises."""
+        for unscale in self.of("unscale"):
+            if not self.live(unscale.scaler):
+                continue
+            root = (unscale.target or "").split(".")[0]
+            loops = [lp for lp in unscale.loops if root not in lp.targets]  # not a loop over optimizers
+            if not loops:
+                continue
+            loop = loops[-1]
+            if _at_boundary(unscale.path, loop):
+                continue  # unscaled only on the iterations that step
+            if any(loop in j.path and j.order < unscale.order for j in self.of("jump")):
+                continue  # an early continue/return: what follows may run only at the boundary
+            if not any(loop in b.path and not _at_boundary(b.path, loop) for b in self.of("backward")):
+                continue
+            updates = [u for u in self.of("update") if u.scaler == unscale.scaler]
+            inside = [u for u in updates if loop in u.path and not _exclusive_either(unscale, u)]
+            if inside:
+                if not all(_at_boundary(u.path, loop) for u in inside):
+                    continue
+                update, where = inside[0], "only at the accumulation boundary"
+            else:
+                after = [u for u in updates if u.order > unscale.order and not _exclusive_either(unscale, u)]
+                steps = [e for e in self.of("scaler_step") if e.scaler == unscale.scaler and loop in e.path]
+                if not after or steps or any(loop in u.path for u in updates):
+                    continue
+                update, where = after[0], "after the micro-batch loop"
+            self.hit(
+                "MP114",
+                place(unscale, update),
+                f"{unscale.scaler}.unscale_({unscale.target}) on every micro-batch, but {unscale.scaler}.update() "
+                f"runs {where} (line {(update.site or update.node).lineno}): the second micro-batch raises "
+                f"RuntimeError{_via(unscale)}",
+            )
+
+
+def _exclusive_either(a: Event, b: Event) -> bool:
+    first, second = sorted((a, b), key=lambda e: e.order)
+    return exclusive(first, second)
+
+
+def _at_boundary(path: tuple, loop) -> bool:
+    """Whether ``path`` passes, inside ``loop``, an ``if`` that holds only on some iterations
+    of it: a test on the loop's counter (``(i + 1) % accum == 0``, ``ni - last >= accumulate``)."""
+    inside = path[path.index(loop) + 1 :] if loop in path else ()
+    return any(isinstance(p, Branch) and p.test is not None and _boundary_test(p.test, loop) for p in inside)
+
+
+_BOUNDARY_WORDS = ("accum", "boundary", "sync", "step", "update")
+
+
+def _boundary_test(test: ast.expr, loop) -> bool:
+    """A test that changes from one iteration of ``loop`` to the next: a ``%`` of a name, a
+    comparison of a name the loop rebinds, or such a name alone when it reads like a step flag
+    (``should_step``, ``is_accumulation_boundary``). No calls other than len()."""
+    for node in ast.walk(test):
+        if isinstance(node, ast.Call) and not (isinstance(node.func, ast.Name) and node.func.id == "len"):
+            return False
+    names = {n.id for n in ast.walk(test) if isinstance(n, ast.Name)}
+    varying = names & loop.varying
+    for node in ast.walk(test):
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mod):
+            if any(isinstance(n, (ast.Name, ast.Attribute)) for n in ast.walk(node)):
+                return True
+        if isinstance(node, ast.Compare) and {n.id for n in ast.walk(node) if isinstance(n, ast.Name)} & loop.varying:
+            return True
+    bare = test.operand if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not) else test
+    return isinstance(bare, ast.Name) and bool(varying) and any(w in bare.id.lower() for w in _BOUNDARY_WORDS)
 
 
 def _may_reach(escape: Event, scaler: str | None) -> bool:

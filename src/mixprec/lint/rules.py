@@ -130,6 +130,17 @@ RULES: dict[str, Rule] = {
             "other branch only (if amp: ... else: optimizer.step()).",
         ),
         Rule(
+            "MP114",
+            "unscale-per-micro-batch",
+            "GradScaler.unscale_(optimizer) may run once per optimizer between two update() calls. "
+            "Under gradient accumulation, calling it on every micro-batch while step() and update() "
+            "run only every k micro-batches raises on the second micro-batch: RuntimeError "
+            "'unscale_() has already been called on this optimizer since the last update()'.",
+            "Unscale once per optimizer step, at the accumulation boundary: move "
+            "scaler.unscale_(optimizer) (and the clip that needs it) into the same `if` as "
+            "scaler.step(optimizer) and scaler.update(), after the last micro-batch's backward().",
+        ),
+        Rule(
             "MP201",
             "deprecated-amp-api",
             "torch.cuda.amp.* and torch.cpu.amp.* are deprecated (FutureWarning since torch 2.4) "
