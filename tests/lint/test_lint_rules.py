@@ -583,6 +583,22 @@ def test_a_scaler_named_object_stepped_without_an_optimizer_is_not_a_grad_scaler
     assert (9, "MP104") in codes(stepped)  # a scaler after all: stepped with an optimizer, never updated
 
 
+def test_a_direct_step_after_unscale_is_reported_for_the_skip_it_bypasses():
+    source = """
+    import torch
+    scaler = torch.amp.GradScaler("cuda")
+    scaler.scale(loss).backward()
+    scaler.unscale_(opt)
+    opt.step()
+    scaler.update()
+    """
+    (finding,) = lint_source(textwrap.dedent(source))
+    assert (finding.code, finding.line) == ("MP103", 6)
+    assert finding.message == "opt.step() called directly after scaler.unscale_(): an inf/NaN step is applied, not skipped; use scaler.step(opt)"
+    plain = lint_source(textwrap.dedent(source.replace("    scaler.unscale_(opt)\n", "")))
+    assert plain[0].message == "opt.step() called directly after scaler.scale(loss).backward(); use scaler.step(opt)"
+
+
 def test_unscale_per_micro_batch_names_the_update_and_the_error():
     source = """
     import torch

@@ -121,12 +121,18 @@ class FunctionChecks:
                 continue
             if any(isinstance(p, Branch) and p.guard and p not in back.path for p in step.path):
                 continue  # a hand-written inf check decides the step
-            self.hit(
-                "MP103",
-                place(step, back),
-                f"{step.target}.step() called directly after {back.scaler}.scale(loss).backward(); "
-                f"use {back.scaler}.step({step.target}){_via(step)}",
-            )
+            unscaled = [
+                u for u in self.of("unscale")
+                if u.scaler == back.scaler and back.order < u.order < step.order and not exclusive(u, step)
+            ]
+            if unscaled:  # the gradients have the right size, but nothing skips an inf/NaN step
+                what = (
+                    f"{step.target}.step() called directly after {back.scaler}.unscale_(): an inf/NaN "
+                    f"step is applied, not skipped"
+                )
+            else:
+                what = f"{step.target}.step() called directly after {back.scaler}.scale(loss).backward()"
+            self.hit("MP103", place(step, back), f"{what}; use {back.scaler}.step({step.target}){_via(step)}")
 
     def update_outside_loop(self) -> None:  # MP104 (the in-function half)
         for step in self.of("scaler_step"):
