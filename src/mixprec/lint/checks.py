@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 
 from mixprec.lint.checkpoints import checkpoint_hits, method_calls
+from mixprec.lint.coverage import coverage_hits
 from mixprec.lint.flow import Branch, Event, Flow, Region, exclusive, opposite_arms
 from mixprec.lint.names import Script, argument, key_of, last
 from mixprec.lint.report import Hit
@@ -340,7 +341,7 @@ def _may_reach(escape: Event, scaler: str | None) -> bool:
 
 
 def file_checks(script: Script) -> list[Hit]:
-    return [*_update_never_called(script), *_half_model(script), *checkpoint_hits(script)]
+    return [*_update_never_called(script), *_half_model(script), *checkpoint_hits(script), *coverage_hits(script)]
 
 
 def _update_never_called(script: Script) -> list[Hit]:  # MP104 (the whole-file half)

@@ -141,6 +141,17 @@ RULES: dict[str, Rule] = {
             "scaler.step(optimizer) and scaler.update(), after the last micro-batch's backward().",
         ),
         Rule(
+            "MP115",
+            "autocast-covers-only-loss",
+            "autocast runs matmuls, convolutions and linear layers in 16 bits only inside its "
+            "region, and that is where mixed precision saves time and memory. This region holds "
+            "only the loss, which autocast never runs in 16 bits, while the forward that produced "
+            "its inputs runs outside autocast, in fp32: the autocast changes nothing (unless the "
+            "model enables autocast itself), and a GradScaler beside it scales fp32 gradients.",
+            "Put the model's forward inside the autocast region with the loss: "
+            "with torch.autocast(...): out = model(x); loss = criterion(out, y).",
+        ),
+        Rule(
             "MP201",
             "deprecated-amp-api",
             "torch.cuda.amp.* and torch.cpu.amp.* are deprecated (FutureWarning since torch 2.4) "
