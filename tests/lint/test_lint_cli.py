@@ -208,3 +208,21 @@ def test_unreadable_and_null_byte_files_are_reported_not_crashed_on(project, cap
     assert "latin.py:1:1: MP000 cannot read the file" in out
     assert "nul.py:1:1: MP000 syntax error" in out
     assert out.splitlines()[-1] == "2 problems in 2 files"
+
+
+@pytest.mark.parametrize("fmt", ["text", "json"])
+def test_output_piped_into_a_reader_that_stops_early_exits_quietly(tmp_path, fmt):
+    # ``mixprec lint . | head -1``: head closes the pipe after one line; no traceback after that
+    many = "import torch\n" + "s = torch.cuda.amp.GradScaler()\n" * 1000  # some 400 kB: far more than a pipe buffer
+    write(tmp_path, "many.py", many)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "mixprec", "lint", "--format", fmt, str(tmp_path)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env(), cwd=tmp_path,
+    )
+    first = process.stdout.readline()
+    process.stdout.close()
+    stderr = process.stderr.read().decode()
+    process.wait(timeout=60)
+    assert first
+    assert stderr == ""
+    assert process.returncode == 1  # findings were found, as without the pipe

@@ -158,3 +158,43 @@ def test_fix_uses_a_torch_import_guarded_by_try():
     text, count = fix_source(source)
     assert count == 1
     assert text.endswith('s = torch.amp.GradScaler("cuda")\n')
+
+
+def test_fix_leaves_old_torch_fallback_arms_untouched():
+    from pathlib import Path
+
+    source = (Path(__file__).parent / "cases" / "mp201_ok_version_fallbacks.py").read_text()
+    assert "torch.cuda.amp.GradScaler" in source
+    assert fix_source(source) == (source, 0)
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "import torch\ns = torch.amp.GradScaler('cuda') if TORCH_2_4 else torch.cuda.amp.GradScaler()\n",
+        "import torch\nif hasattr(torch, 'autocast'):\n    c = torch.autocast('cuda')\nelse:\n    c = torch.cuda.amp.autocast()\n",
+        "import torch\ntry:\n    s = torch.amp.GradScaler(device='cuda')\nexcept (AttributeError, TypeError):\n    s = torch.cuda.amp.GradScaler()\n",
+        # the from-import that only the fallback arm uses is the fallback's too
+        "import torch\nfrom torch.cuda.amp import GradScaler\ns = torch.amp.GradScaler('cuda') if is_torch_version('>=', '2.4') else GradScaler()\n",
+    ],
+    ids=["conditional-expression", "if-else-hasattr", "except-handler", "from-import-for-the-fallback"],
+)
+def test_old_torch_fallbacks_are_neither_reported_nor_rewritten(source):
+    assert lint_source(source) == []
+    assert fix_source(source) == (source, 0)
+
+
+def test_a_from_import_used_by_a_fallback_and_elsewhere_is_reported_but_not_rewritten():
+    source = (
+        "import torch\nfrom torch.cuda.amp import GradScaler\n"
+        "s = torch.amp.GradScaler('cuda') if TORCH_2_4 else GradScaler()\nt = GradScaler()\n"
+    )
+    (finding,) = lint_source(source)
+    assert finding.code == "MP201" and finding.line == 2 and not finding.fixable
+    assert fix_source(source) == (source, 0)
+
+
+def test_the_same_deprecated_call_outside_a_fallback_is_still_rewritten():
+    source = "import torch\ns = torch.amp.GradScaler('cuda') if use_new else torch.cuda.amp.GradScaler()\n"
+    text, count = fix_source(source)
+    assert count == 1 and text.endswith("else torch.amp.GradScaler(\"cuda\")\n")

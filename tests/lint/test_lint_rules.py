@@ -581,3 +581,81 @@ def test_a_scaler_named_object_stepped_without_an_optimizer_is_not_a_grad_scaler
     assert codes(source) == []
     stepped = source.replace("self.lr_scaler.step()", "self.grad_scaler.step(self.opt)")
     assert (9, "MP104") in codes(stepped)  # a scaler after all: stepped with an optimizer, never updated
+
+
+def test_a_direct_step_after_unscale_is_reported_for_the_skip_it_bypasses():
+    source = """
+    import torch
+    scaler = torch.amp.GradScaler("cuda")
+    scaler.scale(loss).backward()
+    scaler.unscale_(opt)
+    opt.step()
+    scaler.update()
+    """
+    (finding,) = lint_source(textwrap.dedent(source))
+    assert (finding.code, finding.line) == ("MP103", 6)
+    assert finding.message == "opt.step() called directly after scaler.unscale_(): an inf/NaN step is applied, not skipped; use scaler.step(opt)"
+    plain = lint_source(textwrap.dedent(source.replace("    scaler.unscale_(opt)\n", "")))
+    assert plain[0].message == "opt.step() called directly after scaler.scale(loss).backward(); use scaler.step(opt)"
+
+
+def test_unscale_per_micro_batch_names_the_update_and_the_error():
+    source = """
+    import torch
+
+    def train(model, loader, opt, accum):
+        scaler = torch.amp.GradScaler("cuda")
+        for i, x in enumerate(loader):
+            scaler.scale(model(x)).backward()
+            scaler.unscale_(opt)
+            if (i + 1) % accum == 0:
+                scaler.step(opt)
+                scaler.update()
+    """
+    (finding,) = lint_source(textwrap.dedent(source))
+    assert (finding.code, finding.line) == ("MP114", 8)
+    assert finding.message == (
+        "scaler.unscale_(opt) on every micro-batch, but scaler.update() runs only at the accumulation "
+        "boundary (line 11): the second micro-batch raises RuntimeError"
+    )
+    # a test that does not change from one micro-batch to the next is no accumulation boundary
+    configured = source.replace("if (i + 1) % accum == 0:", "if accum > 1:")
+    assert codes(configured, "MP114") == []
+
+
+def test_unscale_per_micro_batch_through_a_helper_is_reported_at_the_call():
+    source = """
+    import torch
+
+    def clip(scaler, opt, model):
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+
+    def train(model, loader, opt, accum):
+        scaler = torch.amp.GradScaler("cuda")
+        for i, x in enumerate(loader):
+            scaler.scale(model(x)).backward()
+            clip(scaler, opt, model)
+            if (i + 1) % accum == 0:
+                scaler.step(opt)
+                scaler.update()
+    """
+    assert codes(source) == [(12, "MP114")]
+
+
+def test_a_checkpoint_saved_twice_is_reported_once_and_each_dict_once():
+    source = """
+    import torch
+
+    def train(model, opt, loader, last, best):
+        scaler = torch.amp.GradScaler("cuda")
+        for x in loader:
+            scaler.scale(model(x)).backward()
+            scaler.step(opt)
+            scaler.update()
+        ckpt = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+        torch.save(ckpt, last)
+        torch.save(ckpt, best)
+        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, best)
+    """
+    assert codes(source) == [(11, "MP111"), (13, "MP111")]

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import ast
 
+from mixprec.lint.checkpoints import checkpoint_hits, method_calls
+from mixprec.lint.coverage import coverage_hits
 from mixprec.lint.flow import Branch, Event, Flow, Region, exclusive, opposite_arms
 from mixprec.lint.names import Script, argument, key_of, last
 from mixprec.lint.report import Hit
@@ -68,6 +70,7 @@ class FunctionChecks:
             self.step_twice,
             self.precision_and_scaler,
             self.step_on_unscaled,
+            self.unscale_per_micro_batch,
         ):
             check()
         return self.hits
@@ -119,12 +122,18 @@ class FunctionChecks:
                 continue
             if any(isinstance(p, Branch) and p.guard and p not in back.path for p in step.path):
                 continue  # a hand-written inf check decides the step
-            self.hit(
-                "MP103",
-                place(step, back),
-                f"{step.target}.step() called directly after {back.scaler}.scale(loss).backward(); "
-                f"use {back.scaler}.step({step.target}){_via(step)}",
-            )
+            unscaled = [
+                u for u in self.of("unscale")
+                if u.scaler == back.scaler and back.order < u.order < step.order and not exclusive(u, step)
+            ]
+            if unscaled:  # the gradients have the right size, but nothing skips an inf/NaN step
+                what = (
+                    f"{step.target}.step() called directly after {back.scaler}.unscale_(): an inf/NaN "
+                    f"step is applied, not skipped"
+                )
+            else:
+                what = f"{step.target}.step() called directly after {back.scaler}.scale(loss).backward()"
+            self.hit("MP103", place(step, back), f"{what}; use {back.scaler}.step({step.target}){_via(step)}")
 
     def update_outside_loop(self) -> None:  # MP104 (the in-function half)
         for step in self.of("scaler_step"):
@@ -251,6 +260,79 @@ class FunctionChecks:
             )
 
 
+    def unscale_per_micro_batch(self) -> None:  # MP114
+        """``scaler.unscale_(opt)`` on every iteration of a micro-batch loop (a backward() on
+        every iteration too) while ``update()`` runs only at the accumulation boundary (an ``if``
+        on the loop's counter) or after the loop: the second micro-batch raises."""
+        for unscale in self.of("unscale"):
+            if not self.live(unscale.scaler):
+                continue
+            root = (unscale.target or "").split(".")[0]
+            loops = [lp for lp in unscale.loops if root not in lp.targets]  # not a loop over optimizers
+            if not loops:
+                continue
+            loop = loops[-1]
+            if _at_boundary(unscale.path, loop):
+                continue  # unscaled only on the iterations that step
+            if any(loop in j.path and j.order < unscale.order for j in self.of("jump")):
+                continue  # an early continue/return: what follows may run only at the boundary
+            if not any(loop in b.path and not _at_boundary(b.path, loop) for b in self.of("backward")):
+                continue
+            updates = [u for u in self.of("update") if u.scaler == unscale.scaler]
+            inside = [u for u in updates if loop in u.path and not _exclusive_either(unscale, u)]
+            if inside:
+                if not all(_at_boundary(u.path, loop) for u in inside):
+                    continue
+                update, where = inside[0], "only at the accumulation boundary"
+            else:
+                after = [u for u in updates if u.order > unscale.order and not _exclusive_either(unscale, u)]
+                steps = [e for e in self.of("scaler_step") if e.scaler == unscale.scaler and loop in e.path]
+                if not after or steps or any(loop in u.path for u in updates):
+                    continue
+                update, where = after[0], "after the micro-batch loop"
+            self.hit(
+                "MP114",
+                place(unscale, update),
+                f"{unscale.scaler}.unscale_({unscale.target}) on every micro-batch, but {unscale.scaler}.update() "
+                f"runs {where} (line {(update.site or update.node).lineno}): the second micro-batch raises "
+                f"RuntimeError{_via(unscale)}",
+            )
+
+
+def _exclusive_either(a: Event, b: Event) -> bool:
+    first, second = sorted((a, b), key=lambda e: e.order)
+    return exclusive(first, second)
+
+
+def _at_boundary(path: tuple, loop) -> bool:
+    """Whether ``path`` passes, inside ``loop``, an ``if`` that holds only on some iterations
+    of it: a test on the loop's counter (``(i + 1) % accum == 0``, ``ni - last >= accumulate``)."""
+    inside = path[path.index(loop) + 1 :] if loop in path else ()
+    return any(isinstance(p, Branch) and p.test is not None and _boundary_test(p.test, loop) for p in inside)
+
+
+_BOUNDARY_WORDS = ("accum", "boundary", "sync", "step", "update")
+
+
+def _boundary_test(test: ast.expr, loop) -> bool:
+    """A test that changes from one iteration of ``loop`` to the next: a ``%`` of a name, a
+    comparison of a name the loop rebinds, or such a name alone when it reads like a step flag
+    (``should_step``, ``is_accumulation_boundary``). No calls other than len()."""
+    for node in ast.walk(test):
+        if isinstance(node, ast.Call) and not (isinstance(node.func, ast.Name) and node.func.id == "len"):
+            return False
+    names = {n.id for n in ast.walk(test) if isinstance(n, ast.Name)}
+    varying = names & loop.varying
+    for node in ast.walk(test):
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mod):
+            if any(isinstance(n, (ast.Name, ast.Attribute)) for n in ast.walk(node)):
+                return True
+        if isinstance(node, ast.Compare) and {n.id for n in ast.walk(node) if isinstance(n, ast.Name)} & loop.varying:
+            return True
+    bare = test.operand if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not) else test
+    return isinstance(bare, ast.Name) and bool(varying) and any(w in bare.id.lower() for w in _BOUNDARY_WORDS)
+
+
 def _may_reach(escape: Event, scaler: str | None) -> bool:
     return escape.scaler == scaler or (escape.scaler == "self" and (scaler or "").startswith("self."))
 
@@ -259,17 +341,7 @@ def _may_reach(escape: Event, scaler: str | None) -> bool:
 
 
 def file_checks(script: Script) -> list[Hit]:
-    return [*_update_never_called(script), *_half_model(script), *_checkpoint_without_scaler(script)]
-
-
-def _method_calls(script: Script, method: str) -> list[tuple[str, ast.Call]]:
-    """(receiver key, call) for each ``key.method(...)``; every method when ``method`` is empty."""
-    out = []
-    for call in script.calls:
-        func = call.func
-        if isinstance(func, ast.Attribute) and method in ("", func.attr) and key_of(func.value):
-            out.append((key_of(func.value), call))
-    return out
+    return [*_update_never_called(script), *_half_model(script), *checkpoint_hits(script), *coverage_hits(script)]
 
 
 def _update_never_called(script: Script) -> list[Hit]:  # MP104 (the whole-file half)
@@ -277,7 +349,7 @@ def _update_never_called(script: Script) -> list[Hit]:  # MP104 (the whole-file 
     code that might update it (compared by last name: ``self.scaler`` and ``trainer.scaler``
     may be one object). A scaler the stepping function receives as a parameter belongs to
     its caller, which may update it after the call (a runner calling ``train_step``)."""
-    updated = {last(k) for k, _ in _method_calls(script, "update") if script.is_scaler(k)}
+    updated = {last(k) for k, _ in method_calls(script, "update") if script.is_scaler(k)}
     passed = set()
     for call in script.calls:
         for arg in [*call.args, *(kw.value for kw in call.keywords)]:
@@ -285,7 +357,7 @@ def _update_never_called(script: Script) -> list[Hit]:  # MP104 (the whole-file 
             if k is not None:
                 passed.add(last(k))
     hits = []
-    for k, call in _method_calls(script, "step"):
+    for k, call in method_calls(script, "step"):
         name = last(k)
         if not script.is_scaler(k) or script.scaler_enabled(k) is False:
             continue
@@ -364,91 +436,6 @@ def _half_model(script: Script) -> list[Hit]:  # MP106
         for k, cast in sorted(casts, key=lambda kc: kc[1].lineno)
         if any(script.same_scope(cast, opt, k) for opt in trained.get(k, []))
     ]
-
-
-def _checkpoint_without_scaler(script: Script) -> list[Hit]:  # MP111
-    live = [k for k in script.scaler_keys if script.scaler_enabled(k) is not False]
-    if not live or any(script.is_scaler(k) for k, _ in _method_calls(script, "state_dict")):
-        return []
-    mutated = {k for k, _ in _method_calls(script, "update")} | {
-        key_of(t.value)
-        for node in script.nodes
-        if isinstance(node, (ast.Assign, ast.AugAssign))
-        for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
-        if isinstance(t, ast.Subscript)
-    }
-    uses: dict[str, list[ast.Call]] = {}  # scaler -> calls of its methods
-    for k, call in _method_calls(script, ""):
-        uses.setdefault(k, []).append(call)
-    hits = []
-    for call in script.calls:
-        if script.qualname(call.func) != "torch.save" or not call.args:
-            continue
-        in_scope = [
-            k
-            for k in live
-            if any(script.owner(site) is None for site in script.scaler_sites.get(k, []))  # a script's global
-            or any(script.same_scope(call, use, k) for use in uses.get(k, []))
-        ]
-        if not in_scope:
-            continue
-        saved = call.args[0]
-        if key_of(saved) in mutated:
-            continue  # entries added later; cannot tell what ends up saved
-        values = _saved_values(script, saved, call)
-        if not values or not all(_lacks_scaler_state(script, v) for v in values):
-            continue
-        hits.append(
-            Hit("MP111", call, f"checkpoint saves model and optimizer state but not {sorted(in_scope)[0]}.state_dict()")
-        )
-    return hits
-
-
-def _saved_values(script: Script, saved: ast.AST, call: ast.Call) -> list[ast.AST]:
-    """What ``torch.save(saved, ...)`` may save: the expression itself, or for a name, its one
-    value in the file, else every value assigned to it earlier in the function that saves (when
-    plain assignments are its only bindings there). Empty when that cannot be told."""
-    if not isinstance(saved, ast.Name):
-        return [saved]
-    single = script.single_value(saved)
-    if single is not None:
-        return [single]
-    values = script.assigns.get(saved.id, [])
-    if script.store_count(saved.id) != len(values):
-        return []  # also bound another way (a loop target, ``with ... as``, ``+=``)
-    owner = script.owner(call)
-    return [v for v in values if script.owner(v) is owner and v.lineno < call.lineno]
-
-
-def _lacks_scaler_state(script: Script, value: ast.AST) -> bool:
-    """A dict display with the model's and the optimizer's state and nothing named like a scaler."""
-    entries = _dict_entries(value)
-    if entries is None:
-        return False
-    names = {k: str(k.value).lower() for k in entries if isinstance(k, ast.Constant)}
-    if any("scal" in name for name in names.values()):
-        return False
-    optimizer = [k for k, v in entries.items() if _is_state_dict(v) and script.is_optimizer(key_of(v.func.value))]
-    model = [k for k, v in entries.items() if k not in optimizer and (_is_state_dict(v) or "model" in names.get(k, ""))]
-    return bool(optimizer and model)
-
-
-def _is_state_dict(node: ast.AST) -> bool:
-    return (
-        isinstance(node, ast.Call)
-        and isinstance(node.func, ast.Attribute)
-        and node.func.attr == "state_dict"
-        and key_of(node.func.value) is not None
-    )
-
-
-def _dict_entries(node: ast.AST | None) -> dict[ast.AST, ast.AST] | None:
-    """{key node: value node} of a dict display or ``dict(k=v)``; None for anything else."""
-    if isinstance(node, ast.Dict):
-        return {k: v for k, v in zip(node.keys, node.values) if k is not None}
-    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "dict":
-        return {ast.Constant(kw.arg): kw.value for kw in node.keywords if kw.arg}
-    return None
 
 
 def check(script: Script) -> list[Hit]:

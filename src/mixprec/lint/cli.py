@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from mixprec.lint.rules import RULES
@@ -78,6 +79,26 @@ def run(args: argparse.Namespace) -> int:
         print(f"mixprec lint: no such file or directory: {error}", file=sys.stderr)
         return 2
 
+    try:
+        code = _report(args, result)
+        sys.stdout.flush()  # a broken pipe shows here, inside the handler, not at interpreter exit
+        return code
+    except BrokenPipeError:  # the reader went away (``mixprec lint . | head``): stop quietly
+        _silence_stdout()
+        return 1 if result.findings else 0
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null, so that the interpreter's last flush does not fail again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # no file descriptor (a captured stream): nothing to flush there
+        pass
+
+
+def _report(args: argparse.Namespace, result) -> int:
     if args.format == "json":
         print(json.dumps([f.as_dict() for f in result.findings], indent=2))
         return 1 if result.findings else 0

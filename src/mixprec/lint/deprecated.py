@@ -14,6 +14,13 @@ positional arguments are turned into keywords. An attribute spelling needs a mod
 for ``torch`` to build the new one. A from-import is rewritten only when every use of each name
 it imports is a call (or a bare decorator) that can be rewritten, and not when the file imports
 the same name from elsewhere too (a try/except fallback for old torch is left alone).
+
+A fallback for old torch is not reported at all, and so never rewritten (the rewrite would break
+the very torch it exists for): a deprecated use in one arm of a torch-version test whose other arm
+uses the current twin (``torch.amp.GradScaler("cuda") if TORCH_2_4 else torch.cuda.amp.GradScaler()``,
+the same as an if/else statement, ``hasattr(torch.amp, "GradScaler")`` as the test), or in an
+``except (AttributeError, TypeError)`` (or ImportError, NameError, Exception) handler of a ``try``
+that calls the twin.
 """
 
 from __future__ import annotations
@@ -32,6 +39,19 @@ DEPRECATED: dict[str, tuple[str, str]] = {
     for name in names
 }
 _OLD_AUTOCAST_ARGS = ("enabled", "dtype", "cache_enabled")
+# deprecated name -> the current spellings of the same object (canonical qualnames)
+_TWINS = {
+    "autocast": frozenset({"torch.autocast"}),
+    "GradScaler": frozenset({"torch.amp.GradScaler", "torch.GradScaler"}),
+    "custom_fwd": frozenset({"torch.amp.custom_fwd"}),
+    "custom_bwd": frozenset({"torch.amp.custom_bwd"}),
+}
+# what an old torch raises where the current API is missing or takes other arguments
+_FALLBACK_ERRORS = frozenset(
+    {"AttributeError", "TypeError", "ImportError", "ModuleNotFoundError", "NameError", "Exception", "BaseException"}
+)
+# a name that reads as a torch version flag or check: TORCH_2_4, torch_version, is_torch_greater_or_equal
+_VERSION_WORDS = re.compile(r"\d|version|greater|less|newer|older|least|_[gl][te](_|$)", re.I)
 _MODULE = re.compile(r"from\s+(torch\s*\.\s*c(?:uda|pu)\s*\.\s*amp(?:\s*\.\s*\w+)*)\s+import\b")
 
 
@@ -99,6 +119,65 @@ class _Rewriter:
         return edits
 
 
+def _version_test(script: Script, test: ast.AST, depth: int = 0) -> bool:
+    """Whether an ``if`` test reads the torch version or probes torch for an attribute:
+    ``torch.__version__``, a ``TORCH_2_4``-like flag, ``is_torch_version(...)``,
+    ``hasattr(torch.amp, "GradScaler")``, or a name bound once to one of those."""
+    for node in ast.walk(test):
+        if isinstance(node, ast.Attribute) and node.attr == "__version__":
+            return True
+        if isinstance(node, (ast.Name, ast.Attribute)):
+            word = node.id if isinstance(node, ast.Name) else node.attr
+            if "torch" in word.lower() and _VERSION_WORDS.search(word.lower().replace("torch", "", 1)):
+                return True
+            value = script.single_value(node) if isinstance(node, ast.Name) and depth < 2 else None
+            if value is not None and _version_test(script, value, depth + 1):
+                return True
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("hasattr", "getattr"):
+            if node.args and (script.qualname(node.args[0]) or "").startswith("torch"):
+                return True
+    return False
+
+
+def _has_twin(script: Script, body: list[ast.AST], name: str) -> bool:
+    """Whether ``body`` uses the current API's spelling of the deprecated ``name``."""
+    twins = _TWINS[name]
+    for part in body:
+        for node in ast.walk(part):
+            if isinstance(node, (ast.Name, ast.Attribute)) and script.qualname(node) in twins:
+                return True
+            if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                if any(canonical(f"{node.module}.{a.name}") in twins for a in node.names):
+                    return True
+    return False
+
+
+def _catches_missing_api(handler: ast.ExceptHandler) -> bool:
+    if handler.type is None:
+        return True
+    types = handler.type.elts if isinstance(handler.type, ast.Tuple) else [handler.type]
+    return any(isinstance(t, ast.Name) and t.id in _FALLBACK_ERRORS for t in types)
+
+
+def in_fallback_arm(script: Script, parents: dict[int, ast.AST], node: ast.AST, name: str) -> bool:
+    """Whether ``node`` (a use of the deprecated ``name``) is the old-torch arm of a fallback."""
+    child, parent = node, parents.get(id(node))
+    while parent is not None:
+        if isinstance(parent, (ast.IfExp, ast.If)) and child is not parent.test:
+            if isinstance(parent, ast.IfExp):
+                other = [parent.orelse if child is parent.body else parent.body]
+            else:
+                other = parent.orelse if any(child is s for s in parent.body) else parent.body
+            if _version_test(script, parent.test) and _has_twin(script, other, name):
+                return True
+        elif isinstance(parent, ast.ExceptHandler) and _catches_missing_api(parent):
+            attempt = parents.get(id(parent))
+            if attempt is not None and _has_twin(script, attempt.body, name):
+                return True
+        child, parent = parent, parents.get(id(parent))
+    return False
+
+
 def deprecated_hits(script: Script, source: Source) -> list[Hit]:
     rewriter = _Rewriter(script, source)
     torch_name = script.torch_name()
@@ -106,6 +185,8 @@ def deprecated_hits(script: Script, source: Source) -> list[Hit]:
     for node in script.nodes:
         if isinstance(node, ast.Attribute):
             qualname = script.qualname(node)
+            if qualname in DEPRECATED and in_fallback_arm(script, rewriter.parents, node, DEPRECATED[qualname][1]):
+                continue
             if qualname in DEPRECATED:
                 new_func = _new_spelling(torch_name, DEPRECATED[qualname][1]) if torch_name else None
                 edits = rewriter.use(node, qualname, new_func) if new_func else None
@@ -121,13 +202,24 @@ def deprecated_hits(script: Script, source: Source) -> list[Hit]:
 def _import_hit(script: Script, source: Source, rewriter: _Rewriter, node: ast.ImportFrom) -> Hit | None:
     found = [(a, canonical(f"{node.module}.{a.name}")) for a in node.names]
     old = [(a, q) for a, q in found if q in DEPRECATED and (a.asname or a.name) not in script.deprecated_shims]
+    old = [(a, q) for a, q in old if not in_fallback_arm(script, rewriter.parents, node, DEPRECATED[q][1])]
+    fallback_uses = set()  # names some of whose uses are old-torch fallbacks: the import serves them
+    for alias, qualname in old:
+        local = alias.asname or alias.name
+        uses = [r for r in script.nodes if isinstance(r, ast.Name) and r.id == local]
+        in_fallback = [r for r in uses if in_fallback_arm(script, rewriter.parents, r, DEPRECATED[qualname][1])]
+        if in_fallback and len(in_fallback) == len(uses):
+            fallback_uses.add(local)  # the import exists for the fallback only: not reported
+        elif in_fallback:
+            fallback_uses.add("")  # mixed: reported, but a rewrite would break the fallback
+    old = [(a, q) for a, q in old if (a.asname or a.name) not in fallback_uses]
     if not old:
         return None
     names = ", ".join(q for _, q in old)
     hint = "; ".join(_replacement_hint(q) for _, q in old)
     message = f"{names} {'is' if len(old) == 1 else 'are'} deprecated; use {hint}"
     edits: list[Edit] | None = None
-    if len(old) == len(found):
+    if len(old) == len(found) and "" not in fallback_uses:
         edits = _module_edit(source, node)
         for alias, qualname in old:
             local = alias.asname or alias.name

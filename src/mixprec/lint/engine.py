@@ -19,6 +19,7 @@ from mixprec.lint.checks import check
 from mixprec.lint.deprecated import deprecated_hits
 from mixprec.lint.fixes import Source, apply_edits
 from mixprec.lint.names import Script
+from mixprec.lint.project import free_names, has_star_import, star_aliases
 from mixprec.lint.report import Finding, Hit
 from mixprec.lint.rules import RULES
 
@@ -27,7 +28,7 @@ _NOQA = re.compile(r"#\s*noqa(?::\s*(?P<codes>[A-Z]+[0-9]+(?:[\s,]+[A-Z]+[0-9]+)
 _FIX_PASSES = 3  # a fix can expose another (nested calls); each pass re-parses
 
 
-def _hits(text: str) -> tuple[list[Hit], Source] | tuple[SyntaxError, Source]:
+def _hits(text: str, path: str | None = None) -> tuple[list[Hit], Source] | tuple[SyntaxError, Source]:
     source = Source(text)
     try:
         with warnings.catch_warnings():
@@ -38,6 +39,11 @@ def _hits(text: str) -> tuple[list[Hit], Source] | tuple[SyntaxError, Source]:
             error = SyntaxError(str(error), (None, 1, 0, ""))
         return error, source
     script = Script(tree)
+    if path is not None and has_star_import(tree) and Path(path).is_file():
+        free = free_names(script.nodes)
+        stars = star_aliases(tree, path, free) if free else None
+        if stars:  # names from the project's own star-imported modules: read the file again with them
+            script = Script(tree, stars)
     return [*check(script), *deprecated_hits(script, source)], source
 
 
@@ -53,7 +59,7 @@ def _suppressed(source: Source, line: int, code: str) -> bool:
 
 def _findings(text: str, path: str, codes: set[str]) -> tuple[list[Finding], list[tuple]]:
     """Findings (sorted) and, for the fixable ones, their edit groups."""
-    result, source = _hits(text)
+    result, source = _hits(text, path)
     if isinstance(result, SyntaxError):
         line = result.lineno or 1
         col = result.offset or 1
@@ -76,15 +82,16 @@ def lint_source(text: str, path: str = "<string>", codes: set[str] | None = None
     return _findings(text, path, set(RULES) if codes is None else codes)[0]
 
 
-def fix_source(text: str, codes: set[str] | None = None) -> tuple[str, int]:
+def fix_source(text: str, codes: set[str] | None = None, path: str | None = None) -> tuple[str, int]:
     """``text`` with every safe fix applied, and how many findings were fixed.
 
-    A rewrite that would not parse is dropped, so --fix never breaks a file.
+    A rewrite that would not parse is dropped, so --fix never breaks a file. ``path``: the
+    file the text comes from, for names it star-imports from its own project.
     """
     codes = set(RULES) if codes is None else codes
     fixed = 0
     for _ in range(_FIX_PASSES):
-        _, groups = _findings(text, "<fix>", codes)
+        _, groups = _findings(text, path or "<fix>", codes)
         if not groups:
             break
         new, applied = apply_edits(text, groups)
@@ -176,7 +183,7 @@ def lint_paths(
                 result.findings.append(Finding(name, 1, 1, "MP000", f"cannot read the file: {error}"))
             continue
         if fix:
-            new, count = fix_source(text, codes)
+            new, count = fix_source(text, codes, name)
             if count:
                 path.write_bytes(new.encode(encoding))
                 result.fixed[name] = count

@@ -5,7 +5,8 @@ which autocast region, in which loop and on which branch. This module walks a fu
 module's top level) statement by statement and records the calls that matter as ``Event``s:
 
     backward, clip, unscale, scaler_step, update, opt_step, autocast (entering a region),
-    loss_call (a sensitive custom loss), escape (a scaler handed to code we cannot see)
+    loss_call (a sensitive custom loss), escape (a scaler handed to code we cannot see),
+    jump (a continue, break or return: what follows it may not run on every iteration)
 
 A call to a function defined in the same file is followed (inlined, three levels deep), with
 its parameters bound to the caller's arguments, so a loop split across a function and a loop
@@ -47,6 +48,7 @@ class Branch:
     guard: bool
     frame: int
     cond: tuple[str, bool] | None = None  # an ``if`` arm: (stable test, whether it holds here)
+    test: ast.expr | None = field(default=None, compare=False, hash=False)  # an ``if`` arm's test
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,8 @@ class Loop:
     node_id: int
     targets: frozenset[str]
     frame: int
+    # names that change from one iteration to the next: the targets and the names the body binds
+    varying: frozenset[str] = field(default=frozenset(), compare=False, hash=False)
 
 
 @dataclass
@@ -186,16 +190,23 @@ class Flow:
             cond = self.script.condition(stmt.test)
             for arm, body in enumerate((stmt.body, stmt.orelse)):
                 holds = None if cond is None else (cond[0], cond[1] == (arm == 0))
-                self._block(body, frame, ctx, path + (Branch(id(stmt), arm, _ends(body), guard, frame.id, holds),))
+                branch = Branch(id(stmt), arm, _ends(body), guard, frame.id, holds, stmt.test)
+                self._block(body, frame, ctx, path + (branch,))
         elif isinstance(stmt, (ast.For, ast.AsyncFor, ast.While)):
             targets: frozenset[str] = frozenset()
+            stored = frozenset(
+                n.id
+                for part in stmt.body
+                for n in _walk_no_lambda(part)
+                if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)
+            )
             if isinstance(stmt, ast.While):
-                inner_path = path + (Loop(id(stmt), targets, frame.id),)
+                inner_path = path + (Loop(id(stmt), targets, frame.id, stored),)
                 self._expr(stmt.test, frame, ctx, inner_path)
             else:
                 self._expr(stmt.iter, frame, ctx, path)
                 targets = frozenset(n.id for n in ast.walk(stmt.target) if isinstance(n, ast.Name))
-                inner_path = path + (Loop(id(stmt), targets, frame.id),)
+                inner_path = path + (Loop(id(stmt), targets, frame.id, targets | stored),)
             self._block(stmt.body, frame, ctx, inner_path)
             self._block(stmt.orelse, frame, ctx, path)
         elif isinstance(stmt, (ast.Try, getattr(ast, "TryStar", ast.Try))):
@@ -212,6 +223,8 @@ class Flow:
                 self._block(case.body, frame, ctx, path + (branch,))
         else:
             self._expr(stmt, frame, ctx, path)
+            if isinstance(stmt, (ast.Continue, ast.Break, ast.Return)):
+                self._emit("jump", stmt, frame, ctx, path)
 
     def _is_guard(self, test: ast.expr) -> bool:
         for node in ast.walk(test):

@@ -99,7 +99,9 @@ class Autocast:
 class Script:
     """Facts about one parsed file that every rule shares."""
 
-    def __init__(self, tree: ast.Module):
+    def __init__(self, tree: ast.Module, star_aliases: dict[str, str] | None = None):
+        """``star_aliases``: names that ``from module import *`` of the file's own project
+        brings in (see ``project``), known only when the file's path is."""
         self.tree = tree
         self.nodes: list[ast.AST] = list(ast.walk(tree))  # walked once; the rules filter this list
         self.aliases: dict[str, str] = {}
@@ -112,6 +114,9 @@ class Script:
         self.classes: dict[str, ast.ClassDef] = {}
         self.calls: list[ast.Call] = []
         self._classdefs: list[ast.ClassDef] = []
+        for name, target in (star_aliases or {}).items():  # the file's own imports override these
+            self.aliases[name] = self.module_aliases[name] = target
+            self.imported_roots.add(target.split(".")[0])
         self._collect()
         self._stores: dict[str, int] = {}  # key -> how many times the file binds or deletes it
         for node in self.nodes:
