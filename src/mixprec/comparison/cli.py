@@ -32,6 +32,7 @@ examples:
   mixprec compare --task examples.compare_custom_task:make_task
   mixprec compare --task-arg d_model=64 --task-arg n_layer=4 --device cuda
   mixprec compare --quiet && echo "mixed precision is safe here"
+  mixprec compare --backend jax            # the same judgement on a built-in JAX model (pip install 'mixprec[jax]')
 """
 
 
@@ -53,6 +54,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=_positive_int, default=None, metavar="N",
                         help="torch CPU threads (default: 1 for the built-in task on CPU, whose ops are too "
                              "small to gain from more and lose 4x on a busy machine; else torch's choice)")
+    parser.add_argument("--backend", choices=("torch", "jax"), default="torch",
+                        help="train with torch (default) or JAX (needs the jax extra; --task then names a JaxTask factory)")
     parser.add_argument("--quiet", action="store_true", help="no progress and no table: one line per recipe")
     parser.add_argument("--json", action="store_true", help="print the result as JSON on stdout (progress goes to stderr)")
     parser.add_argument("--traceback", action="store_true", help="show the full Python traceback of unexpected errors")
@@ -127,6 +130,12 @@ def run(args: argparse.Namespace) -> int:
         err.print(f"error: {message}", markup=False, highlight=False)
         return 2
 
+    if getattr(args, "backend", "torch") == "jax":  # the torch side's only import of mixprec.jax, lazy
+        try:
+            from mixprec.jax.compare_cli import run as run_jax
+        except ImportError as e:
+            return error(str(e))
+        return run_jax(args)
     try:
         task_kwargs = parse_task_args(args.task_arg)
     except ValueError as e:
