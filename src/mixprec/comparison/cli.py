@@ -132,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
 
     if getattr(args, "backend", "torch") == "jax":  # the torch side's only import of mixprec.jax, lazy
         try:
-            from mixprec.jax.compare_cli import run as run_jax
+            from mixprec.jax.comparison_cli import run as run_jax
         except ImportError as e:
             return error(str(e))
         return run_jax(args)

@@ -22,7 +22,7 @@ import importlib
 from typing import Any
 
 try:
-    import jax as _jax  # noqa: F401
+    import jax.numpy as _jnp  # noqa: F401  (a submodule: a stray directory named jax would pass "import jax")
 except ImportError as e:  # pragma: no cover - exercised in a subprocess by the packaging test
     raise ImportError(
         "mixprec.jax needs jax (and optax for its optimizer wrapper), which are not installed: "
@@ -54,7 +54,7 @@ _LAZY: dict[str, str] = {
     "save_tree": "mixprec.jax.checkpoint",
     "load_tree": "mixprec.jax.checkpoint",
     "JaxTask": "mixprec.jax.tasks",
-    "compare": "mixprec.jax.compare",
+    "compare": "mixprec.jax.comparison",
 }
 
 __all__ = (

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("jax")
+pytest.importorskip("jax.numpy")  # a submodule, not "jax": see conftest
 pytest.importorskip("absl.testing.parameterized", reason="jmp's tests are written with absl-py")
 
 FILES = ("policy_test.py", "loss_scale_test.py")

@@ -19,7 +19,7 @@ def run(args: argparse.Namespace) -> int:
     from mixprec.comparison.progress import RichProgress
     from mixprec.comparison.report import DEFAULT_OUT, print_summary
     from mixprec.comparison.runner import RunError
-    from mixprec.jax.compare import compare
+    from mixprec.jax.comparison import compare
     from mixprec.jax.recipes import recipe_names
     from mixprec.report.terminal import make_console
     from mixprec.tasks import TaskError

@@ -34,6 +34,7 @@ from mixprec.jax.tasks import JaxTask, _batch, check_jax_task, load_jax_task
 from mixprec.tasks import TaskError
 
 RunStartFn = Callable[[str, int, int], None]
+_global_norm = getattr(getattr(optax, "tree", None), "norm", None) or optax.global_norm  # optax.tree.norm from 0.2.5
 StepFn = Callable[..., Any]
 
 
@@ -82,7 +83,7 @@ def make_step(task: JaxTask, recipe: JaxRecipe) -> tuple[optax.GradientTransform
     def step(params: Any, opt_state: Any, x: Any, y: Any) -> tuple[Any, Any, tuple[jax.Array, ...]]:
         loss_scale = loss_scale_of(opt_state)
         (_, loss), grads = jax.value_and_grad(losses, has_aux=True)(params, x, y, loss_scale)
-        grad_norm = optax.global_norm(loss_scale.unscale(grads))  # before clipping, as the torch runner records it
+        grad_norm = _global_norm(loss_scale.unscale(grads))  # before clipping, as the torch runner records it
         updates, opt_state = tx.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
         scale_used = jnp.asarray(loss_scale.loss_scale, jnp.float32)
