@@ -201,3 +201,31 @@ def test_loss_scales_pickle():
     back = pickle.loads(pickle.dumps(ls))
     assert float(back.min_loss_scale) == 0.25 and back.hysteresis == 2
     assert float(_run(back, [False] * 8).loss_scale) == float(_run(ls, [False] * 8).loss_scale) == 0.25
+
+
+@pytest.mark.parametrize("hysteresis, consecutive", [(1, False), (2, False), (3, True)])
+def test_same_scales_as_the_torch_sides_grad_scaler_on_random_overflows(hysteresis, consecutive):
+    """DynamicLossScale with a floor, a ceiling and hysteresis against mixprec.GradScaler, step for step."""
+    import random
+
+    import torch
+
+    import mixprec
+
+    rng = random.Random(hysteresis * 10 + consecutive)
+    w = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([w], lr=0.1)
+    torch_side = mixprec.GradScaler("cpu", init_scale=2.0**10, growth_interval=3, hysteresis=hysteresis,
+                                    consecutive_hysteresis=consecutive, min_scale=2.0**4, max_scale=2.0**14, on_floor="skip")
+    ls = mpj.DynamicLossScale(jnp.float32(2.0**10), period=3, min_loss_scale=jnp.float32(2.0**4), max_loss_scale=2.0**14,
+                              hysteresis=hysteresis, consecutive_hysteresis=consecutive)
+    for step in range(300):
+        overflow = rng.random() < 0.3
+        torch_side.scale((w * 2.0).sum()).backward()
+        if overflow:
+            w.grad[0] = float("inf")
+        torch_side.step(opt)
+        torch_side.update()
+        opt.zero_grad(set_to_none=True)
+        ls = ls.adjust(jnp.bool_(not overflow))
+        assert float(ls.loss_scale) == torch_side.get_scale(), f"step {step}"

@@ -168,3 +168,15 @@ def test_an_optimizer_state_that_changes_dtype_gets_an_explanation():
     params = {"w": jnp.ones(2, jnp.bfloat16)}
     with pytest.raises(TypeError, match="keep fp32 parameters in the optimizer"):
         tx.update({"w": jnp.ones(2, jnp.bfloat16)}, tx.init(params), params)
+
+
+def test_the_state_survives_vmap_over_independent_models():
+    """An ensemble of two models under vmap (no axis_name: each decides for itself, as it should)."""
+    tx = mpj.skip_nonfinite(optax.sgd(0.5), mpj.DynamicLossScale(jnp.float32(2.0**4)))
+    params = {"w": jnp.ones((2, 3))}  # two members
+    state = jax.vmap(tx.init)(params)
+    grads = {"w": jnp.array([[1.0, 1.0, 1.0], [1.0, jnp.inf, 1.0]])}
+    updates, state = jax.jit(jax.vmap(tx.update))(grads, state, params)
+    new = optax.apply_updates(params, updates)["w"]
+    assert state.last_skipped.tolist() == [False, True] and state.loss_scale.loss_scale.tolist() == [16.0, 8.0]
+    assert new[1].tolist() == [1.0, 1.0, 1.0] and new[0].tolist() != [1.0, 1.0, 1.0]

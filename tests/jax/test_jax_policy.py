@@ -121,7 +121,8 @@ def test_unknown_dtype_message_keeps_jmps_prefix():
 @pytest.mark.parametrize("dtype", [np.dtype("float32"), np.dtype("float16"), jnp.dtype("bfloat16"), "float32"])
 def test_str_of_numpy_dtypes(impl, dtype):
     p = impl.policy.Policy(dtype, dtype, dtype)
-    name = impl.policy.dtype_to_names[{"float32": jnp.float32, "float16": jnp.float16, "bfloat16": jnp.bfloat16}[np.dtype(dtype).name]][0]
+    key = {"float32": jnp.float32, "float16": jnp.float16, "bfloat16": jnp.bfloat16}[np.dtype(dtype).name]
+    name = impl.policy.dtype_to_names[key][0]
     assert str(p) == f"p={name},c={name},o={name}"
 
 

@@ -4,7 +4,6 @@ import numpy as np
 import pytest
 
 pytest.importorskip("jax.numpy")  # a submodule, not "jax": see conftest
-import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import ml_dtypes  # noqa: E402  (installed with jax)
 

@@ -3,7 +3,6 @@
 import pytest
 
 pytest.importorskip("jax.numpy")  # a submodule, not "jax": see conftest
-import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import mixprec  # noqa: E402

@@ -39,7 +39,7 @@ from mixprec.jax.loss_scale import (
 )
 from mixprec.jax.policy import Policy, cast_to_full, cast_to_half, dtype_to_names, get_policy, half_dtype
 
-from mixprec import __version__  # noqa: E402
+from mixprec import __version__ as __version__  # noqa: E402  (mixprec.jax.__version__ is mixprec's)
 
 # beyond jmp: name -> module, imported on first use (the recipes and tools import torch-side modules)
 _LAZY: dict[str, str] = {

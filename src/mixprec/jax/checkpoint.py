@@ -97,7 +97,8 @@ def load_tree(path: str | os.PathLike[str], like: Any, *, strict: bool = True) -
         want = np.asarray(like_leaf)
         if dtype_name != want.dtype.name or tuple(shape) != want.shape:
             raise ValueError(
-                f"checkpoint leaf {saved_name} is {dtype_name}{shape} but `like` has {name} as {want.dtype.name}{list(want.shape)}"
+                f"checkpoint leaf {saved_name} is {dtype_name}{shape} but `like` has {name} as "
+                f"{want.dtype.name}{list(want.shape)}"
             )
         value = raw.view(want.dtype) if raw.dtype != want.dtype else raw
         restored.append(_restore_like(value.reshape(want.shape), like_leaf))

@@ -126,7 +126,9 @@ def check_jax_task(task: JaxTask) -> None:
 def _batch(task: JaxTask, step: int) -> tuple[Any, Any]:
     batch = task.get_batch(step)
     if not isinstance(batch, (tuple, list)) or len(batch) != 2:
-        raise TaskError(f"JAX task {task.name!r}: get_batch({step}) returned {type(batch).__name__}; expected a pair (inputs, targets)")
+        raise TaskError(
+            f"JAX task {task.name!r}: get_batch({step}) returned {type(batch).__name__}; expected a pair (inputs, targets)"
+        )
     return batch[0], batch[1]
 
 
