@@ -28,7 +28,7 @@ ROOT = SRC / "mixprec"
 
 CORE = {"formats", "policy", "recipes", "scaling", "islands", "masters", "step_io", "training"}
 CAPABILITIES = {"fp8", "distributed"}
-SHARED = {"instruments", "tasks", "report"}
+SHARED = {"instruments", "tasks", "report", "arguments"}
 TOOLS = {"comparison", "diagnostics", "bench", "memory", "lint"}
 FACE = {"cli", "__main__", ""}  # "" is mixprec/__init__.py: the public table, lazy
 OUTSIDE = {"jax", "integrations"}
@@ -38,7 +38,7 @@ ROOMS = CORE | CAPABILITIES | SHARED | TOOLS | FACE | OUTSIDE
 EXCEPTIONS = {
     ("mixprec.training", "mixprec.diagnostics.guard"),  # MixedPrecision(nan_guard=...) attaches the guard
     ("mixprec.comparison.cli", "mixprec.jax"),  # mixprec compare --backend jax
-    ("mixprec.comparison.cli", "mixprec.jax.compare"),
+    ("mixprec.comparison.cli", "mixprec.jax.comparison_cli"),
 }
 MAX_LINES = 500
 

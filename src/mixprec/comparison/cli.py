@@ -7,9 +7,10 @@ Exit codes: 0 every recipe TRACKS; 1 some recipe DIVERGES, is NON-FINITE, ERROR 
 from __future__ import annotations
 
 import argparse
-import ast
 import contextlib
 from typing import Any
+
+from mixprec.arguments import parse_task_args, split_recipes  # noqa: F401  (tests and mixprec.jax use them here too)
 
 HELP = "prove on a model that mixed precision tracks fp32 within fp32's own noise"
 DESCRIPTION = """\
@@ -31,6 +32,7 @@ examples:
   mixprec compare --task examples.compare_custom_task:make_task
   mixprec compare --task-arg d_model=64 --task-arg n_layer=4 --device cuda
   mixprec compare --quiet && echo "mixed precision is safe here"
+  mixprec compare --backend jax            # the same judgement on a built-in JAX model (pip install 'mixprec[jax]')
 """
 
 
@@ -52,6 +54,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=_positive_int, default=None, metavar="N",
                         help="torch CPU threads (default: 1 for the built-in task on CPU, whose ops are too "
                              "small to gain from more and lose 4x on a busy machine; else torch's choice)")
+    parser.add_argument("--backend", choices=("torch", "jax"), default="torch",
+                        help="train with torch (default) or JAX (needs the jax extra; --task then names a JaxTask factory)")
     parser.add_argument("--quiet", action="store_true", help="no progress and no table: one line per recipe")
     parser.add_argument("--json", action="store_true", help="print the result as JSON on stdout (progress goes to stderr)")
     parser.add_argument("--traceback", action="store_true", help="show the full Python traceback of unexpected errors")
@@ -65,39 +69,6 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
     return value
-
-
-def parse_task_args(items: list[str]) -> dict[str, Any]:
-    """``["d_model=64", "name=x"]`` -> ``{"d_model": 64, "name": "x"}`` (Python literals, else strings)."""
-    kwargs: dict[str, Any] = {}
-    for item in items:
-        key, sep, raw = item.partition("=")
-        if not sep or not key.strip().isidentifier():
-            raise ValueError(f"--task-arg {item!r}: expected KEY=VALUE with KEY a Python name, e.g. d_model=64")
-        try:
-            kwargs[key.strip()] = ast.literal_eval(raw)
-        except (ValueError, SyntaxError):
-            kwargs[key.strip()] = raw
-    return kwargs
-
-
-def split_recipes(items: list[str] | None) -> tuple[str, ...] | None:
-    """``["fp32,bf16-mixed", "p=f32,c=f16"]`` -> ``("fp32", "bf16-mixed", "p=f32,c=f16")``.
-
-    Commas separate names, except inside a jmp policy string (an item with '='), whose commas are its own.
-    ``all`` stands for every registered recipe (``mixprec recipes``).
-    """
-    if items is None:
-        return None
-    names: list[str] = []
-    for item in items:
-        names += [item.strip()] if "=" in item else [n.strip() for n in item.split(",") if n.strip()]
-    if any(n.lower() == "all" for n in names):
-        from mixprec.recipes import list_recipes
-
-        every = [r.name for r in list_recipes()]
-        names = [m for n in names for m in (every if n.lower() == "all" else [n])]
-    return tuple(dict.fromkeys(names))  # in order, each once
 
 
 def default_threads(threads: int | None, task: str | None, device: str | None) -> int | None:
@@ -126,6 +97,12 @@ def run(args: argparse.Namespace) -> int:
         err.print(f"error: {message}", markup=False, highlight=False, soft_wrap=True)  # one line: greppable
         return 2
 
+    if getattr(args, "backend", "torch") == "jax":  # the torch side's only import of mixprec.jax, lazy
+        try:
+            from mixprec.jax.comparison_cli import run as run_jax
+        except ImportError as e:
+            return error(str(e))
+        return run_jax(args)
     try:
         task_kwargs = parse_task_args(args.task_arg)
     except ValueError as e:

@@ -41,13 +41,17 @@ def cpu_features() -> list[str]:
 
 def environment(device: torch.device | str = "cpu") -> dict[str, Any]:
     """Date, versions, the device and (on CPU) its model, features, torch's kernel choice and threads."""
-    device = torch.device(device)
+    label = str(device)
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):  # another framework's name ("cpu (jax)"): describe the host
+        device = torch.device("cpu")
     env = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "torch": torch.__version__,
         "python": platform.python_version(),
         "platform": platform.platform(),
-        "device": str(device),
+        "device": label,
         "cpu": cpu_name(),
         "cpu_features": cpu_features(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),

@@ -1,0 +1,47 @@
+"""Tiny JAX tasks for the compare tests (named as --task jax_tasks:make_task; tests/jax is on sys.path)."""
+
+import numpy as np
+
+import jax.numpy as jnp
+import optax
+
+from mixprec.jax import JaxTask
+
+W_TRUE = np.random.default_rng(0).standard_normal((8, 4)).astype(np.float32)
+
+
+def make_task(kind: str = "linear", steps: int = 40) -> JaxTask:
+    """``linear``: a noisy linear teacher, fine in every precision. ``overflow16``: the forward passes
+    through ~9 x 10^4 (past fp16's 65504: NON-FINITE in fp16, fine in bf16). ``cancel``: adds and removes
+    2^12 in the compute dtype, which rounds the prediction to bf16's step of 32 there (DIVERGES in bf16)."""
+
+    def get_batch(step):
+        rng = np.random.default_rng(100 + step)
+        x = rng.standard_normal((32, 8)).astype(np.float32)
+        noise = 0.3 * rng.standard_normal((32, 4)).astype(np.float32)  # a loss floor of ~0.09 that 16 bits resolve
+        return x, x @ W_TRUE + noise
+
+    def init_params(key):
+        seed = int(np.asarray(key).sum())  # PRNGKey(seed) holds [0, seed]: a numpy draw needs no jax compile
+        return {"w": jnp.asarray(0.3 * np.random.default_rng(seed).standard_normal((8, 4)), jnp.float32)}
+
+    def apply(params, x, recipe):
+        h = x @ params["w"]
+        if kind == "overflow16":
+            big = (h + 1.0) * 300.0 * 300.0  # 9e4 at h = 0: inf in fp16
+            return big * (1 / 300.0) * (1 / 300.0) - 1.0
+        if kind == "cancel":
+            c = jnp.asarray(4096.0, h.dtype)
+            return (h + c) - c
+        return h
+
+    return JaxTask(
+        name=f"tiny-{kind}",
+        init_params=init_params,
+        get_batch=get_batch,
+        apply=apply,
+        loss_fn=lambda out, y: jnp.mean((out - y) ** 2),
+        make_optimizer=lambda: optax.adam(0.05),
+        steps=steps,
+        description=f"tiny linear regression ({kind})",
+    )

@@ -1,0 +1,86 @@
+"""Run by test_jax_multidevice.py in a subprocess with two host devices (XLA_FLAGS must be set before jax
+starts). Prints one JSON object of observations."""
+
+import json
+import os
+import sys
+
+assert "--xla_force_host_platform_device_count=2" in os.environ.get("XLA_FLAGS", ""), "run me with 2 host devices"
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+
+import mixprec.jax as mpj  # noqa: E402
+
+out = {"devices": jax.device_count()}
+W = jnp.asarray(np.arange(8, dtype=np.float32).reshape(2, 4) / 8)
+
+
+def make(axis_name):
+    return mpj.skip_nonfinite(optax.sgd(0.5), mpj.DynamicLossScale(jnp.float32(2.0**10)), axis_name=axis_name)
+
+
+def step_fn(tx, reduce_grads):
+    def step(params, state, poison):
+        ls = mpj.loss_scale_of(state)
+        grads = jax.grad(lambda p: ls.scale(jnp.sum(p["w"] ** 2)) * poison)(params)
+        if reduce_grads:
+            grads = jax.lax.pmean(grads, "d")
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+    return step
+
+
+def replicate(tree):
+    return jax.tree_util.tree_map(lambda x: jnp.stack([jnp.asarray(x)] * 2), tree)
+
+
+# pmap: one replica's gradients overflow (poison = inf on device 1 only)
+poison = jnp.asarray([1.0, jnp.inf], jnp.float32)
+for label, axis, reduce in (("pmap_shared", "d", False), ("pmap_local", None, False), ("pmap_pmean", None, True)):
+    tx = make(axis)
+    params = replicate({"w": W})
+    state = replicate(tx.init({"w": W}))
+    params, state = jax.pmap(step_fn(tx, reduce), axis_name="d")(params, state, poison)
+    out[label] = {
+        "skipped": np.asarray(state.last_skipped).tolist(),
+        "scale": np.asarray(state.loss_scale.loss_scale).tolist(),
+        "params_equal_across_devices": bool(np.array_equal(np.asarray(params["w"][0]), np.asarray(params["w"][1]))),
+        "params_unchanged": [bool(np.array_equal(np.asarray(params["w"][i]), np.asarray(W))) for i in range(2)],
+    }
+
+# shard_map: the parameter is split over the devices, each holds half its gradient
+mesh = Mesh(np.array(jax.devices()), ("d",))
+for label, axis in (("shard_map_shared", "d"), ("shard_map_local", None)):
+    tx = make(axis)
+
+    def local(params, state, poison):
+        ls = mpj.loss_scale_of(state)
+        grads = jax.grad(lambda p: ls.scale(jnp.sum(p["w"] ** 2)) * poison[0])(params)
+        updates, state = tx.update(grads, state, params)
+        # per-device views of the decision, stacked over the devices
+        return optax.apply_updates(params, updates), state.last_skipped[None], state.loss_scale.loss_scale[None]
+
+    state0 = tx.init({"w": W})
+    state_spec = jax.tree_util.tree_map(lambda _: P(), state0)
+    f = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=({"w": P("d")}, state_spec, P("d")),
+                              out_specs=({"w": P("d")}, P("d"), P("d")), check_vma=False))
+    params, skipped, scale = f({"w": W}, state0, poison)
+    out[label] = {"skipped": np.asarray(skipped).tolist(), "scale": np.asarray(scale).tolist(),
+                  "params_unchanged": bool(np.array_equal(np.asarray(params["w"]), np.asarray(W)))}
+
+# jit over a sharded array (GSPMD): the global all_finite is already global, no axis_name needed
+sharding = NamedSharding(mesh, P("d"))
+tx = make(None)
+params = {"w": jax.device_put(W, sharding)}
+state = tx.init(params)
+bad = jax.device_put(jnp.asarray([[1.0] * 4, [1.0, 1.0, jnp.inf, 1.0]]), sharding)
+step = jax.jit(lambda p, s, m: tx.update(jax.tree_util.tree_map(lambda g: g * m, {"w": 2 * p["w"]}), s, p))
+updates, state = step(params, state, bad)
+out["gspmd"] = {"skipped": bool(state.last_skipped), "scale": float(state.loss_scale.loss_scale),
+                "params_unchanged": bool(np.array_equal(np.asarray(optax.apply_updates(params, updates)["w"]), np.asarray(W)))}
+
+json.dump(out, sys.stdout)

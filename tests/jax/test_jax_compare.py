@@ -1,0 +1,73 @@
+"""The JAX twin of compare: the torch side's plan, verdict rules and report over JAX runs."""
+
+import json
+
+import numpy as np
+import pytest
+
+pytest.importorskip("jax.numpy")  # a submodule, not "jax": see conftest
+pytest.importorskip("optax")
+
+from mixprec.comparison.verdict import judge  # noqa: E402
+from mixprec.jax.comparison import compare  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tracks():
+    return compare("jax_tasks:make_task", ("bf16-mixed", "fp16-mixed"), steps=40)
+
+
+def test_plan_is_the_torch_sides(tracks):
+    roles = [(r.recipe, r.seed, r.role) for r in tracks.runs]
+    assert roles == [("fp32", 0, "reference"), ("fp32", 1, "noise"), ("fp32", 2, "noise"),
+                     ("bf16-mixed", 0, "candidate"), ("fp16-mixed", 0, "candidate")]
+    assert all(r.steps == 40 and np.isfinite(r.loss).all() for r in tracks.runs)
+    assert tracks.runs[0].loss[-1] < 0.1 * tracks.runs[0].loss[0]  # it trains
+
+
+def test_verdicts_are_the_torch_rules_applied_to_jax_runs(tracks):
+    assert {k: v.status for k, v in tracks.verdicts.items()} == {"bf16-mixed": "TRACKS", "fp16-mixed": "TRACKS"}
+    for run in tracks.runs[3:]:
+        assert judge(run, tracks.band) == tracks.verdicts[run.recipe]
+    fp16 = tracks.run_for("fp16-mixed")
+    assert fp16.loss_scaling == "dynamic" and fp16.scale[0] == 2.0**16 and fp16.policy == "p=f32,c=f16,o=f32"
+
+
+def test_json_is_the_torch_sides_plus_the_backend(tracks):
+    data = json.loads(tracks.to_json())
+    assert data["mixprec_compare"] == 1 and data["backend"] == "jax" and data["jax"]
+    assert set(data["verdicts"]) == {"bf16-mixed", "fp16-mixed"} and data["rule"]["text"].startswith("Loss curves")
+
+
+def test_fp16_forward_overflow_is_non_finite_and_bf16_tracks():
+    result = compare("jax_tasks:make_task", ("bf16-mixed", "fp16-mixed"), steps=20, task_kwargs={"kind": "overflow16"})
+    fp16, bf16 = result.verdicts["fp16-mixed"], result.verdicts["bf16-mixed"]
+    assert fp16.status == "NON-FINITE" and fp16.first_step == 1 and "loss scale" in fp16.message
+    assert bf16.status == "TRACKS"
+    assert not result.ok
+
+
+def test_bf16_cancellation_diverges_through_the_cli(tmp_path, capsys):
+    from mixprec.cli import main
+
+    rc = main(["compare", "--backend", "jax", "--task", "jax_tasks:make_task", "--task-arg", "kind=cancel",
+               "--recipes", "bf16-mixed", "--steps", "40", "--json", "--quiet", "--out", str(tmp_path / "r")])
+    data = json.loads(capsys.readouterr().out)
+    assert rc == 1 and data["verdicts"]["bf16-mixed"]["status"] == "DIVERGES"
+    assert sorted(p.name for p in (tmp_path / "r").iterdir()) == ["compare.csv", "compare.html", "compare.json", "compare.png"]
+
+
+def test_cli_errors_exit_2(tmp_path, capsys):
+    from mixprec.cli import main
+
+    assert main(["compare", "--backend", "jax", "--recipes", "bf16-true-kahan", "--out", str(tmp_path / "r")]) == 2
+    assert "only the torch side implements" in " ".join(capsys.readouterr().err.split())
+    assert main(["compare", "--backend", "jax", "--task", "mixprec.tasks.charlm:make_task", "--out", str(tmp_path / "s")]) == 2
+    assert "needs a mixprec.jax.JaxTask" in " ".join(capsys.readouterr().err.split())
+
+
+def test_mixprec_jax_compare_is_the_function_after_its_module_is_imported():
+    import mixprec.jax as mpj
+    import mixprec.jax.comparison  # noqa: F401  (a submodule named compare would have replaced the function)
+
+    assert mpj.compare is compare

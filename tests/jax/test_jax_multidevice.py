@@ -1,0 +1,54 @@
+"""Two host devices (a subprocess: XLA_FLAGS must be set before jax starts): the skip decision is shared
+under pmap and shard_map with axis_name, and is already global under jit over sharded arrays."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("jax.numpy")  # a submodule, not "jax": see conftest
+pytest.importorskip("optax")
+
+
+@pytest.fixture(scope="module")
+def observed():
+    from mixprec_test_env import src_env
+
+    env = src_env()
+    env["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2").strip()
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("multidevice_run.py"))],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout)
+
+
+def test_two_devices(observed):
+    assert observed["devices"] == 2
+
+
+@pytest.mark.parametrize("kind", ["pmap_shared", "shard_map_shared"])
+def test_one_overflowing_replica_makes_every_replica_skip_with_axis_name(observed, kind):
+    o = observed[kind]
+    assert o["skipped"] == [True, True] and o["scale"] == [512.0, 512.0]
+    unchanged = o["params_unchanged"]  # per device under pmap; the one sharded array under shard_map
+    assert all(unchanged) if isinstance(unchanged, list) else unchanged
+
+
+@pytest.mark.parametrize("kind", ["pmap_local", "shard_map_local"])
+def test_without_axis_name_local_decisions_split_the_replicas(observed, kind):
+    """The failure axis_name prevents: replicas disagree, their scales and parameters drift apart."""
+    o = observed[kind]
+    assert o["skipped"] == [False, True] and o["scale"] == [1024.0, 512.0]
+
+
+def test_gradients_already_all_reduced_carry_the_overflow_to_every_replica(observed):
+    o = observed["pmap_pmean"]
+    assert o["skipped"] == [True, True] and o["params_equal_across_devices"]
+
+
+def test_jit_over_sharded_arrays_decides_globally(observed):
+    o = observed["gspmd"]
+    assert o["skipped"] and o["scale"] == 512.0 and o["params_unchanged"]
