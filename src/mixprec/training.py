@@ -22,7 +22,7 @@ import contextlib
 import dataclasses
 import warnings
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, Union
 
 import torch
 from torch import nn
@@ -88,7 +88,10 @@ class _InputCast:
         return cast_floating(args, self.dtype), cast_floating(kwargs, self.dtype)
 
 
-def _as_optimizers(optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer]) -> list[torch.optim.Optimizer]:
+Optimizers = Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]]
+
+
+def _as_optimizers(optimizers: Optimizers) -> list[torch.optim.Optimizer]:
     opts = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers)
     if not opts:
         raise ValueError("step() needs at least one optimizer")
@@ -301,17 +304,9 @@ class MixedPrecision:
         assert self._false is not None
         return self._one, self._false
 
-    def step(
-        self,
-        loss: torch.Tensor,
-        optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
-        *,
-        max_grad_norm: float | None = None,
-        norm_type: float = 2.0,
-        parameters: Iterable[torch.Tensor] | None = None,
-        scheduler: Any = None,
-        retain_graph: bool = False,
-    ) -> StepStats:
+    def step(self, loss: torch.Tensor, optimizers: Optimizers, *, max_grad_norm: float | None = None,
+             norm_type: float = 2.0, parameters: Iterable[torch.Tensor] | None = None, scheduler: Any = None,
+             retain_graph: bool = False) -> StepStats:
         """Backward and (every ``accumulate`` calls) one optimizer step, in the only correct order.
 
         Args:
@@ -325,28 +320,40 @@ class MixedPrecision:
             retain_graph: passed to ``backward``.
         """
         opts = _as_optimizers(optimizers)
-        if max_grad_norm is not None and not float(max_grad_norm) > 0:
-            raise ValueError(
-                f"max_grad_norm must be > 0 (or None for no clipping), got {max_grad_norm!r}: a norm "
-                "of 0 would zero every update, a negative one would reverse it"
-            )
+        _check_max_grad_norm(max_grad_norm)
         loss32 = self._check_loss(loss)
         micro = loss32 / self.accumulate if self.accumulate > 1 else loss32
         self.scaler.scale(micro).backward(retain_graph=retain_graph)
         detached = micro.detach()
         self._loss_sum = detached if self._loss_sum is None else self._loss_sum + detached
         self._micro += 1
-        if self.masters is not None:  # 16-bit grads -> fp32 master grads; at the boundary, fp32 values
-            # nothing reads the gradients before the step but the scaler's inf check and the clip,
-            # which can read them 16-bit: a bucketed step may keep them so until each bucket's turn
-            self.masters.after_backward(opts, boundary=self._micro >= self.accumulate,
-                                        defer=self._scaler_defers())
+        self.after_backward(opts, boundary=self._micro >= self.accumulate)
         one, false = self._constants()
         if self._micro < self.accumulate:
             scale = self.scaler.scale_tensor
             return StepStats(loss32.detach(), None, one if scale is None else scale, false, False, self._steps)
 
         window_loss, self._loss_sum, self._micro = self._loss_sum, None, 0
+        self.unscale_(opts)
+        grad_norm = self.clip_grad_norm_(opts, max_grad_norm, norm_type, parameters=parameters)
+        return self.optimizer_step(opts, scheduler=scheduler, loss=window_loss, grad_norm=grad_norm)
+
+    # The step's parts, for a framework that owns backward and optimizer.step (mixprec.integrations):
+    # backward of mp.scaler.scale(loss), after_backward; at the boundary unscale_, clip_grad_norm_,
+    # optimizer_step. step() is these parts in this order: both paths compute the same numbers.
+    def after_backward(self, optimizers: Optimizers, *, boundary: bool = True) -> None:
+        """After each backward of a scaled loss: 16-bit storage recipes move the 16-bit gradients
+        onto the fp32 masters (adding in fp32), at the ``boundary`` ready for the step."""
+        if self.masters is None:
+            return
+        # nothing reads the gradients before the step but the scaler's inf check and the clip,
+        # which can read them 16-bit: a bucketed step may keep them so until each bucket's turn
+        self.masters.after_backward(_as_optimizers(optimizers), boundary=boundary, defer=self._scaler_defers())
+
+    def unscale_(self, optimizers: Optimizers) -> None:
+        """At the boundary, after ``after_backward``: unscale every optimizer's gradients, check
+        them for inf/NaN, and make one overflow anywhere skip every optimizer."""
+        opts = _as_optimizers(optimizers)
         for opt in opts:  # before clipping: clip the true gradients, not scaled ones
             if self.masters is not None and self.masters.deferred and self.scaler.is_enabled():
                 # 16-bit gradients waiting for their bucket: checked now, unscaled when made fp32
@@ -355,8 +362,20 @@ class MixedPrecision:
                                               exact=self.scaler.scale_is_power_of_two)
             else:
                 self.scaler.unscale_(opt)
-        self.scaler.share_skip_decision(opts)  # one overflow anywhere skips every optimizer
-        grad_norm = self._clip_or_measure(opts, parameters, max_grad_norm, norm_type)
+        self.scaler.share_skip_decision(opts)
+
+    def clip_grad_norm_(self, optimizers: Optimizers, max_norm: float | None, norm_type: float = 2.0, *,
+                        parameters: Iterable[torch.Tensor] | None = None) -> torch.Tensor | None:
+        """After ``unscale_``: clip the unscaled (master) gradients of ``parameters`` (default: the
+        optimizers') to ``max_norm``; their norm before clipping. None: measure if ``track_grad_norm``."""
+        _check_max_grad_norm(max_norm)
+        return self._clip_or_measure(_as_optimizers(optimizers), parameters, max_norm, norm_type)
+
+    def optimizer_step(self, optimizers: Optimizers, *, scheduler: Any = None, loss: torch.Tensor | None = None,
+                       grad_norm: torch.Tensor | None = None) -> StepStats:
+        """Step every optimizer or skip them all, update the scale, write masters back, zero the
+        gradients, step ``scheduler`` if the step was taken. ``loss``/``grad_norm``: for the stats."""
+        opts = _as_optimizers(optimizers)
         # a 16-bit storage recipe may step (and write back) its masters a bucket at a time
         with self.masters.bucketed_step(opts) if self.masters is not None else contextlib.nullcontext():
             for opt in opts:
@@ -370,9 +389,11 @@ class MixedPrecision:
         if scheduler is not None and not self.scaler.was_skipped():
             for s in scheduler if isinstance(scheduler, (list, tuple)) else (scheduler,):
                 s.step()
+        one, false = self._constants()
         scale = self.scaler.last_scale if self.scaler.is_enabled() else one
         skipped = self.scaler.last_skipped if self.scaler.is_enabled() else false
-        return StepStats(window_loss, grad_norm, scale, skipped, True, self._steps)
+        loss = torch.full((), float("nan"), device=self.device) if loss is None else loss
+        return StepStats(loss, grad_norm, scale, skipped, True, self._steps)
 
     def _scaler_defers(self) -> bool:
         """Whether the scaler can check 16-bit gradients that wait for their bucket (``unscale_deferred_``):
@@ -455,6 +476,12 @@ class MixedPrecision:
 
     def __repr__(self) -> str:
         return f"MixedPrecision({self.recipe.name!r}, device={str(self.device)!r})"
+
+
+def _check_max_grad_norm(max_grad_norm: float | None) -> None:
+    if max_grad_norm is not None and not float(max_grad_norm) > 0:
+        raise ValueError(f"max_grad_norm must be > 0 (or None for no clipping), got {max_grad_norm!r}: a norm "
+                         "of 0 would zero every update, a negative one would reverse it")
 
 
 def _check_nan_guard(flag: Any) -> Any:
