@@ -3,6 +3,7 @@ scheduler, bitwise resume through Trainer.fit(ckpt_path=...), and clear refusals
 
 from __future__ import annotations
 
+import sys
 import warnings
 
 import pytest
@@ -159,7 +160,7 @@ def test_unsupported_strategy_is_refused_with_what_to_do():
 
 
 def test_lightning_version_outside_the_tested_range(monkeypatch):
-    monkeypatch.setattr(L, "__version__", "2.7.1")
+    monkeypatch.setattr(sys.modules["lightning"], "__version__", "2.7.1")
     with pytest.raises(RuntimeError, match=r"lightning 2\.7\.1 is installed; .* tested with lightning>=2\.6,<2\.7"):
         MixprecPrecision("bf16-mixed")
     MixprecPrecision("bf16-mixed", check_version=False)  # the user's choice

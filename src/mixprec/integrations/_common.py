@@ -4,6 +4,7 @@ masters, and lr schedulers that do not advance on a skipped step."""
 from __future__ import annotations
 
 import re
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,8 +21,15 @@ def _release(version: str) -> tuple[int, ...]:
     return tuple(int(x) for x in match.group(0).split("."))
 
 
-def check_version(package: str, installed: str, minimum: str, below: str, extra: str, check: bool = True) -> None:
-    """Raise when ``installed`` is outside the tested range [minimum, below) of ``package``.
+def installed_version(package: str) -> str:
+    """The ``__version__`` of the imported ``package`` (as imported now: lazy packages such as
+    transformers replace their module object in ``sys.modules`` while importing)."""
+    __import__(package)
+    return str(sys.modules[package].__version__)
+
+
+def check_version(package: str, minimum: str, below: str, extra: str, check: bool = True) -> None:
+    """Raise when the imported ``package`` is outside the tested range [minimum, below).
 
     The integrations use public extension points, but those move between major (and, for
     Lightning, minor) releases: an untested version is refused with what to do, unless the
@@ -29,6 +37,7 @@ def check_version(package: str, installed: str, minimum: str, below: str, extra:
     """
     if not check:
         return
+    installed = installed_version(package)
     have = _release(installed)
     if _release(minimum) <= have < _release(below):
         return
