@@ -42,10 +42,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import SingleDeviceStrategy
-from lightning.pytorch.utilities import GradClipAlgorithmType
+try:
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+    from lightning.pytorch.plugins.precision import Precision
+    from lightning.pytorch.strategies import SingleDeviceStrategy
+    from lightning.pytorch.utilities import GradClipAlgorithmType
+except ImportError as e:  # the extra is not installed
+    raise ImportError(f"mixprec.integrations.lightning needs lightning ({e}): pip install \"mixprec[lightning]\"") from e
 
 from mixprec.integrations._common import SkipAwareScheduler, check_version, rebind_to_masters
 from mixprec.integrations.records import StepLog
@@ -116,7 +119,7 @@ class MixprecPrecision(Precision):
                 raise ValueError(
                     f"MixprecPrecision runs on one device (SingleDeviceStrategy); this Trainer uses "
                     f"{type(strategy).__name__}, which it is not tested with. Use Trainer(devices=1) "
-                    "(strategy='auto'), or a hand-written loop with mp.step and mixprec.distributed."
+                    "(strategy='auto'), or a hand-written loop with mp.step."
                 )
             self._trainer = trainer
             self._bind_device(strategy.root_device)

@@ -42,8 +42,12 @@ from typing import Any
 
 import torch
 
-from transformers import Trainer, TrainerCallback, TrainingArguments
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+try:
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+except ImportError as e:  # the extra is not installed
+    raise ImportError(f"mixprec.integrations.transformers needs transformers and accelerate ({e}): "
+                      "pip install \"mixprec[transformers]\"") from e
 
 from mixprec.integrations._common import SkipAwareScheduler, check_version, rebind_to_masters
 from mixprec.integrations.records import StepLog, summarize
