@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from integ_helpers import batches, make_data, make_net, make_optimizer
 from mixprec import MixedPrecision
-from mixprec.integrations.records import StepLog, summarize
+from mixprec.integrations.records import StepLog, StepWindow
 
 
 def train(recipe="fp16-mixed", sink=None, steps=30, **mp_kwargs):
@@ -66,15 +66,15 @@ def test_steplog_no_sync_until_flush(monkeypatch):
     assert calls == ["tolist"]
 
 
-def test_summarize_a_window_for_one_log_call():
-    log = StepLog(every=1000)
-    for s in train(steps=10):
-        log.append(s)
-    records = log.flush()
-    out = summarize(records)
-    scales = [m["mixprec/loss_scale"] for _, m in records]
-    assert out["mixprec/loss_scale"] == scales[-1] and out["mixprec/loss_scale_min"] == min(scales)
-    assert out["mixprec/skipped_steps"] == 1.0  # the overflow at step 5
+def test_step_window_summarizes_the_steps_since_the_last_read():
+    window = StepWindow()
+    stats = train(steps=12, sink=window.append)
+    first = window.read()
+    scales = [float(s.scale) for s in stats]
+    assert first["mixprec/loss_scale"] == scales[-1] and first["mixprec/loss_scale_min"] == min(scales)
+    assert first["mixprec/skipped_steps"] == sum(float(s.skipped) for s in stats) >= 1.0  # the overflow at step 5
+    assert first["mixprec/grad_norm"] == float(stats[-1].grad_norm)  # step 12 clipped
+    assert window.read() == {} and window.steps == 0  # a new window
 
 
 def test_steplog_refuses_bad_input():

@@ -6,7 +6,8 @@ into one framework through that framework's public extension points.
 - ``mixprec.integrations.transformers``: ``MixprecTrainer`` (and ``MixprecTrainerMixin``), the
   Hugging Face Trainer running a mixprec recipe; ``pip install "mixprec[transformers]"``.
 - ``mixprec.integrations.records``: ``StepLog``, step records (loss, scale, skipped, grad norm)
-  buffered on the device and read in batches, as dicts for W&B or MLflow.
+  buffered on the device and read in batches, as dicts for W&B or MLflow; ``StepWindow``, their
+  summary since the last log call.
 - ``mixprec.integrations.tensorboard``: ``TensorBoardStepWriter``, those records as TensorBoard
   scalars; ``pip install "mixprec[tensorboard]"``.
 

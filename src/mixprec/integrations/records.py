@@ -13,7 +13,9 @@ them then). Each record is ``(step, metrics)`` with plain floats, ready for any 
 
 ``metrics`` holds ``{prefix}loss``, ``{prefix}loss_scale`` (the scale that step's backward used),
 ``{prefix}skipped`` (1.0 for a step skipped on inf/NaN gradients, else 0.0) and, when the step
-measured it, ``{prefix}grad_norm`` (the unscaled norm before clipping).
+measured it, ``{prefix}grad_norm`` (the unscaled norm before clipping). ``StepWindow`` keeps
+only what the steps since its last read did (last and smallest scale, skipped count), in
+constant memory, for loggers that take one value per log call.
 """
 
 from __future__ import annotations
@@ -92,17 +94,42 @@ class StepLog:
         return f"StepLog(every={self.every}, buffered={len(self._rows)})"
 
 
-def summarize(records: list[tuple[int, dict[str, Any]]], prefix: str = "mixprec/") -> dict[str, float]:
-    """One dict for a window of records (a logger that takes one value per log call): the last
-    step's scale and loss, the smallest scale seen, and how many steps were skipped."""
-    if not records:
-        return {}
-    last = records[-1][1]
-    out = {
-        prefix + "loss_scale": last[prefix + "loss_scale"],
-        prefix + "loss_scale_min": min(m[prefix + "loss_scale"] for _, m in records),
-        prefix + "skipped_steps": float(sum(m[prefix + "skipped"] for _, m in records)),
-    }
-    if prefix + "grad_norm" in last:
-        out[prefix + "grad_norm"] = last[prefix + "grad_norm"]
-    return out
+class StepWindow:
+    """What the steps since the last read did, kept on the device in constant memory: for a
+    logger that takes one value per log call (the Hugging Face Trainer logs every
+    ``logging_steps``). ``read()`` returns it and starts a new window (one host transfer).
+
+    Keys: ``{prefix}loss_scale`` (the last step's), ``{prefix}loss_scale_min`` (the smallest
+    scale in the window), ``{prefix}skipped_steps`` (how many were skipped) and, when the last
+    step measured it, ``{prefix}grad_norm``.
+    """
+
+    def __init__(self, prefix: str = "mixprec/") -> None:
+        self.prefix = prefix
+        self.steps = 0
+        self._last: StepStats | None = None
+        self._min: torch.Tensor | None = None
+        self._skipped: torch.Tensor | None = None
+
+    def append(self, stats: StepStats) -> None:
+        """Fold one step into the window (no sync)."""
+        if not stats.stepped:
+            return
+        scale = stats.scale.detach().float()
+        skipped = stats.skipped.detach().float()
+        self._min = scale if self._min is None else torch.minimum(self._min, scale)
+        self._skipped = skipped if self._skipped is None else self._skipped + skipped
+        self._last, self.steps = stats, self.steps + 1
+
+    def read(self) -> dict[str, float]:
+        """The window's summary as floats ({} when no step ran since the last read)."""
+        last = self._last
+        if last is None or self._min is None or self._skipped is None:
+            return {}
+        parts = [last.scale.detach().float(), self._min, self._skipped]
+        if last.grad_norm is not None:
+            parts.append(last.grad_norm.detach().float().to(self._min.device))
+        values = torch.stack([t.to(self._min.device) for t in parts]).cpu().tolist()
+        names = ["loss_scale", "loss_scale_min", "skipped_steps", "grad_norm"]
+        self._last, self._min, self._skipped, self.steps = None, None, None, 0
+        return {self.prefix + n: v for n, v in zip(names, values)}

@@ -50,7 +50,7 @@ except ImportError as e:  # the extra is not installed
                       "pip install \"mixprec[transformers]\"") from e
 
 from mixprec.integrations._common import SkipAwareScheduler, check_version, rebind_to_masters
-from mixprec.integrations.records import StepLog, summarize
+from mixprec.integrations.records import StepWindow
 from mixprec.recipes import Recipe
 from mixprec.training import MixedPrecision, StepStats
 
@@ -194,7 +194,7 @@ class MixprecTrainerMixin:
         self._refuse_setup()
         self.model = self.mp.prepare(self.model)
         self.last_stats: StepStats | None = None
-        self._records = StepLog(every=1 << 30)  # read back when the Trainer logs
+        self._window = StepWindow()  # read back when the Trainer logs
         self._window_loss: torch.Tensor | None = None
         self._grad_norm: torch.Tensor | None = None
         self._mixprec_resume: str | None = None
@@ -271,17 +271,18 @@ class MixprecTrainerMixin:
         loss, self._window_loss = self._window_loss, None
         stats = self.mp.optimizer_step([self._torch_optimizer()], loss=loss, grad_norm=self._grad_norm)
         self.last_stats, self._grad_norm = stats, None
-        self._records.append(stats)
+        self._window.append(stats)
 
     # ------------------------------------------------------------------ logs and checkpoints
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
-        records = self._records.flush()  # one read-back per log call
-        if records and "loss" in logs:
-            logs.update(summarize(records))
-            last = records[-1][1]
-            if "grad_norm" in logs and "mixprec/grad_norm" in last:
-                logs["grad_norm"] = logs.pop("mixprec/grad_norm")
+        if "loss" in logs:  # a training log: what the steps since the last one did (one read-back)
+            window = self._window.read()
+            if "mixprec/grad_norm" in window:
+                norm = window.pop("mixprec/grad_norm")
+                if "grad_norm" in logs:
+                    logs["grad_norm"] = norm  # mixprec's, before clipping (the Trainer's came after)
+            logs.update(window)
         super().log(logs, *args, **kwargs)  # type: ignore[misc]
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
