@@ -141,6 +141,15 @@ def test_manual_optimization_clips_unscaled_gradients():
     assert trainer.lr_scheduler_configs[0].scheduler.last_epoch == ref_sched.last_epoch == 29
 
 
+def test_fp16_on_cpu_runs_fp16_with_a_scaler_not_bf16():
+    plugin = MixprecPrecision("16-mixed")  # Lightning's name; Lightning itself would run bf16 on a CPU
+    trainer = L.Trainer(plugins=[plugin], accelerator="cpu", logger=False)
+    assert trainer.precision == "16-mixed" and plugin.mp.recipe.name == "fp16-mixed"
+    assert plugin.mp.scaler.is_enabled()
+    with plugin.forward_context():
+        assert torch.nn.Linear(4, 4)(torch.randn(2, 4)).dtype == torch.float16
+
+
 # ---------------------------------------------------------------- refusals
 
 
