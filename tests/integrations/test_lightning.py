@@ -49,6 +49,11 @@ class Regression(L.LightningModule):
         self.lr_schedulers().step()
         return None
 
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.val_dtype = self.net[0](x).dtype  # under the recipe's autocast
+        return F.mse_loss(self(x), y)
+
     def configure_optimizers(self):
         opt = make_optimizer(self.parameters())
         return {"optimizer": opt, "lr_scheduler": {"scheduler": make_scheduler(opt), "interval": "step"}}
@@ -139,6 +144,17 @@ def test_manual_optimization_clips_unscaled_gradients():
     ref, ref_steps, ref_sched = hand_loop("fp16-mixed", *data, max_grad_norm=0.5)
     assert params_equal(model.net, ref)
     assert trainer.lr_scheduler_configs[0].scheduler.last_epoch == ref_sched.last_epoch == 29
+
+
+def test_validate_after_fit_runs_the_recipe_on_the_trained_model():
+    data = make_data()
+    trainer, model = fit(MixprecPrecision("bf16-true"), data, max_steps=3)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.validate(model, DataLoader(TensorDataset(*data), batch_size=BATCH), verbose=False)
+    assert model.val_dtype == torch.bfloat16 and model.net[0].weight.dtype == torch.bfloat16
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
 def test_fp16_on_cpu_runs_fp16_with_a_scaler_not_bf16():
