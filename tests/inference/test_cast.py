@@ -105,3 +105,20 @@ def test_a_linear_in_bf16_and_fp16_is_within_the_rounding_bound():
         out = cast_for_inference(net, dtype)(x).double()
         sqnr = 10 * torch.log10((ref**2).sum() / ((out - ref) ** 2).sum())
         assert sqnr >= -20 * torch.log10(torch.tensor(3 * u)), (dtype, float(sqnr))
+
+
+def test_the_cast_model_saves_as_the_fp32_one_does():
+    import io
+    import inspect
+
+    torch.manual_seed(0)
+    model = TinyLM()
+    lp = cast_for_inference(model, "bf16")
+    assert list(lp.state_dict()) == list(model.state_dict())  # same keys: a deployment loads them as usual
+    assert list(inspect.signature(lp.forward).parameters) == ["input_ids"]
+    buf = io.BytesIO()
+    torch.save(lp, buf)  # the whole module, its forward wrapper included
+    buf.seek(0)
+    again = torch.load(buf, weights_only=False)
+    ids = lm_batches(1)[0]
+    assert torch.equal(again(**ids)["logits"], lp(**ids)["logits"])  # the same computation, bit for bit

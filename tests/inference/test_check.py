@@ -122,3 +122,13 @@ def test_the_report_round_trips_to_json_and_text():
     assert out["sqnr_db"] == "nan" and out["nonfinite"] == 32 * 4  # nothing finite to compare: a string, not NaN
     assert data["results"]["fp16"]["loss"]["fp16"] == "nan"
     assert "'amp' (Linear)" in report.summary()
+
+
+@pytest.mark.cuda
+def test_on_cuda_both_dtypes_agree_and_the_overflow_is_found():
+    torch.manual_seed(0)
+    lm = zoo.TinyLM().cuda()
+    report = check_inference(lm, zoo.lm_batches(2), "both")  # batches are moved to the model's device
+    assert report.verdict == "agree", report.summary()
+    report = check_inference(zoo.Overflow().cuda(), _batches((32, 8)), "fp16")
+    assert report.results["fp16"].failure.module == "amp"

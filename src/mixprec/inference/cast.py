@@ -102,7 +102,7 @@ class CastInfo:
         if self.mode == "autocast":
             stored = f"parameters fp32, cast per op, {_mb(self.bytes_now)}"
         else:
-            stored = (f"{len(self.fp32_params)} of {self.params} parameter tensors kept fp32, "
+            stored = (f"{len(self.fp32_params)}/{self.params} tensors kept fp32, "
                       f"{_mb(self.bytes_fp32)} -> {_mb(self.bytes_now)}")
         return f"{name} {self.mode} ({self.recipe}'s rules): {stored}, {len(self.islands)} fp32 islands"
 
@@ -156,10 +156,11 @@ def _check_model(model: nn.Module) -> None:
         raise TypeError(f"cast_for_inference takes an nn.Module, got {type(model).__name__}")
     if getattr(model, "_mixprec_inference", None) is not None:
         raise ValueError("this model was already cast for inference; cast the fp32 model it came from")
-    if getattr(model, "_mixprec_recipe", None) is not None:
+    recipe = getattr(model, "_mixprec_recipe", None)
+    if recipe is not None:
         raise ValueError(
-            f"this model was prepared for training with recipe {model._mixprec_recipe!r}; cast the fp32 "  # type: ignore[attr-defined]
-            "model for inference instead (build it and load its fp32 weights, e.g. from mp.state_dict())"
+            f"this model was prepared for training with recipe {recipe!r} (fp32 islands, hooks, maybe 16-bit "
+            "storage); build a fresh model, load the trained fp32 weights into it and cast that"
         )
     for name, p in model.named_parameters():
         if p.is_floating_point() and p.dtype != torch.float32:

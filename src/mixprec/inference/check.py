@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -85,7 +86,8 @@ class DtypeResult:
             "failure": None if self.failure is None else self.failure.to_dict(),
             "degradation": None if self.degradation is None else self.degradation.to_dict(),
             "near_overflow": [n.to_dict() for n in self.near_overflow],
-            "loss": None if self.loss is None else {"fp32": json_number(self.loss[0]), self.dtype: json_number(self.loss[1])},
+            "loss": None if self.loss is None else {"fp32": json_number(self.loss[0]),
+                                                    self.dtype: json_number(self.loss[1])},
             "error": self.error,
         }
 
@@ -108,8 +110,9 @@ class DtypeResult:
                 out.append(f"  {o.name}: raw top-1 {o.top1:.1%} ({o.top1_ties_aside - o.top1:.1%} of rows flipped "
                            "between near-tied classes)")
         if self.loss is not None:
-            out.append(f"  loss: fp32 {self.loss[0]:.6g}, {self.dtype} {self.loss[1]:.6g} "
-                       f"(difference {self.loss[1] - self.loss[0]:+.3g})")
+            diff = self.loss[1] - self.loss[0]
+            out.append(f"  loss: fp32 {self.loss[0]:.6g}, {self.dtype} {self.loss[1]:.6g}"
+                       + (f" (difference {diff:+.3g})" if math.isfinite(diff) else ""))
         if self.cast is not None:
             out.append("  " + self.cast.describe())
         return out
@@ -152,8 +155,8 @@ class InferenceReport:
 
 def stat_cells(o: OutputStats) -> dict[str, str]:
     """An output's numbers as short strings (the command's table and ``summary``)."""
-    def pct(x: float | None) -> str:
-        return "-" if x is None else f"{x:.1%}" if x < 1 else "100%"
+    def pct(x: float | None) -> str:  # rounded down: 99.96% is not "100.0%"
+        return "-" if x is None else "100%" if x >= 1 else f"{math.floor(x * 1000) / 10:.1f}%"
 
     measured = o.compared > 0
     return {"SQNR dB": f"{o.sqnr:.1f}" if measured else "-", "max|err|": f"{o.max_abs_err:.2g}" if measured else "-",
@@ -253,11 +256,11 @@ def check_inference(
                         f"the model's forward returned {type(ref_out).__name__} with no floating-point tensor in it; "
                         "give a forward= that returns the outputs to compare (logits, embeddings...)")
                 if loss_fn is not None:
-                    losses[None].append(float(loss_fn(ref_out, targets)))
+                    losses[None].append(_fp32_loss(loss_fn, ref_out, targets, i))
                 cls = _class_outputs(ref, classes)
                 for dt in dts:
                     _compare_batch(results[NAMES[dt]], stats[dt], model, lows[dt], fwd, inputs, targets, ref, cls,
-                                   ref_out, loss_fn, losses[dt], dt, i, topk, th, locate)
+                                   loss_fn, losses[dt], dt, i, topk, th, locate)
     finally:
         model.train(was_training)
     if n == 0:
@@ -288,9 +291,17 @@ def _run_fp32(fwd: Callable[..., Any], model: nn.Module, inputs: Any, recorder: 
             "cause: make the model run in fp32 on these batches first") from e
 
 
+def _fp32_loss(loss_fn: Callable[[Any, Any], torch.Tensor], out: Any, targets: Any, i: int) -> float:
+    try:
+        return float(loss_fn(out, targets))
+    except Exception as e:
+        raise InferenceCheckError(f"the loss function raised {type(e).__name__} on the fp32 outputs of batch {i}: {e}; "
+                                  "it takes (outputs, targets) as the forward returns them") from e
+
+
 def _compare_batch(res: DtypeResult, st: dict[str, OutputStats], model: nn.Module, low: nn.Module,
                    fwd: Callable[..., Any], inputs: Any, targets: Any, ref: dict[str, torch.Tensor], cls: set[str],
-                   ref_out: Any, loss_fn: Any, losses: list[float], dt: torch.dtype, i: int, topk: int,
+                   loss_fn: Any, losses: list[float], dt: torch.dtype, i: int, topk: int,
                    th: Thresholds, locate: bool) -> None:
     if res.error is not None:
         return
@@ -302,8 +313,8 @@ def _compare_batch(res: DtypeResult, st: dict[str, OutputStats], model: nn.Modul
     got = _floating(low_out)
     if set(got) != set(ref) or any(got[k].shape != ref[k].shape for k in ref):
         shapes = {k: tuple(v.shape) for k, v in got.items()}
-        res.error = (f"outputs that differ from fp32's on batch {i}: fp32 {({k: tuple(v.shape) for k, v in ref.items()})}, "
-                     f"{res.dtype} {shapes}")
+        ref_shapes = {k: tuple(v.shape) for k, v in ref.items()}
+        res.error = f"outputs that differ from fp32's on batch {i}: fp32 {ref_shapes}, {res.dtype} {shapes}"
         return
     before = sum(s.nonfinite for s in st.values())
     for name, r in ref.items():

@@ -58,7 +58,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="a state_dict saved with torch.save (fp32) to load into the task's model")
     parser.add_argument("--train-steps", type=_count, default=0, metavar="N",
                         help="train the model in fp32 for N steps first (the task's optimizer and loss; default 0)")
-    parser.add_argument("--batches", type=_positive_int, default=8, metavar="N", help="batches to compare on (default 8)")
+    parser.add_argument("--batches", type=_positive_int, default=8, metavar="N",
+                        help="batches to compare on (default 8)")
     parser.add_argument("--first-batch", type=_count, default=None, metavar="STEP",
                         help="get_batch step of the first batch (default: --train-steps, the first batch training "
                              "did not see)")

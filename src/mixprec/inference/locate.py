@@ -247,7 +247,8 @@ class ModuleError:
 
     def to_dict(self) -> dict[str, Any]:
         return {"module": self.module, "module_type": self.module_type, "call": self.call,
-                "sqnr_db": json_number(self.sqnr_db), "input_sqnr_db": json_number(self.input_sqnr_db), "gate_db": self.gate_db,
+                "sqnr_db": json_number(self.sqnr_db), "input_sqnr_db": json_number(self.input_sqnr_db),
+                "gate_db": self.gate_db,
                 "batch": self.batch, "message": self.describe()}
 
 
