@@ -21,6 +21,7 @@ SUBCOMMANDS: dict[str, str] = {
     "memory": "mixprec.memory.cli",
     "lint": "mixprec.lint.cli",
     "bench": "mixprec.bench.cli",
+    "infer-check": "mixprec.inference.cli",  # does bf16 / fp16 inference agree with fp32?
 }
 
 
