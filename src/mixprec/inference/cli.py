@@ -7,8 +7,9 @@ Exit codes: 0 every dtype agrees; 1 some dtype is degraded or broken; 2 the chec
 from __future__ import annotations
 
 import argparse
-import ast
 from typing import Any
+
+from mixprec.arguments import parse_task_args
 
 HELP = "check that bf16 / fp16 inference of a model agrees with fp32 (SQNR, errors, top-1), and where it breaks"
 DESCRIPTION = """\
@@ -88,20 +89,6 @@ def _count(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"expected 0 or more, got {value}")
     return value
-
-
-def parse_task_args(items: list[str]) -> dict[str, Any]:
-    """``["d_model=64", "name=x"]`` -> ``{"d_model": 64, "name": "x"}`` (Python literals, else strings)."""
-    kwargs: dict[str, Any] = {}
-    for item in items:
-        key, sep, raw = item.partition("=")
-        if not sep or not key.strip().isidentifier():
-            raise ValueError(f"--task-arg {item!r}: expected KEY=VALUE with KEY a Python name, e.g. d_model=64")
-        try:
-            kwargs[key.strip()] = ast.literal_eval(raw)
-        except (ValueError, SyntaxError):
-            kwargs[key.strip()] = raw
-    return kwargs
 
 
 def _classes(text: str) -> Any:
