@@ -34,6 +34,8 @@ torch.bfloat16
 from __future__ import annotations
 
 import contextlib
+import re
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -181,20 +183,58 @@ _AUTOCAST_NEUTRAL: frozenset[type] = frozenset(
     if t is not None
 )
 
-# Module families a recipe can name. RMSNorm exists in torch >= 2.4.
-_FAMILIES: dict[str, tuple[type, ...]] = {
-    "norms": tuple(
-        t
-        for t in (
-            nn.LayerNorm,
-            nn.GroupNorm,
-            nn.modules.batchnorm._NormBase,  # BatchNorm1d/2d/3d, SyncBatchNorm, InstanceNorm*
-            getattr(nn, "RMSNorm", None),
-            nn.LocalResponseNorm,
-        )
-        if t is not None
-    ),
-}
+# torch's norm classes. RMSNorm exists in torch >= 2.4.
+_TORCH_NORMS: tuple[type, ...] = tuple(
+    t
+    for t in (
+        nn.LayerNorm,
+        nn.GroupNorm,
+        nn.modules.batchnorm._NormBase,  # BatchNorm1d/2d/3d, SyncBatchNorm, InstanceNorm*
+        getattr(nn, "RMSNorm", None),
+        nn.LocalResponseNorm,
+    )
+    if t is not None
+)
+
+# A class name that says "norm" at its end: LayerNorm, RMSNorm, LlamaRMSNorm, T5LayerNorm,
+# LayerNorm2d, GroupNorm32, FusedLayerNorm, LayerNormalization...
+_NORM_NAME = re.compile(r"norm(?:alization)?(?:\d+d?)?$", re.IGNORECASE)
+
+
+def is_norm(module: nn.Module) -> bool:
+    """The ``"norms"`` family: is ``module`` a normalisation layer?
+
+    The rule: an instance of one of torch's norm classes (``LayerNorm``, ``GroupNorm``,
+    ``BatchNorm*``, ``InstanceNorm*``, ``RMSNorm``, ``LocalResponseNorm``), or a module whose class
+    (or a base class) is named like one, ending in ``Norm`` / ``Normalization`` with an optional
+    size suffix (``LlamaRMSNorm``, ``T5LayerNorm``, ``LayerNorm2d``), as most models write their
+    own, provided it holds no parameter of 2 or more dimensions: a norm scales and shifts per
+    channel; a class named so that holds a matmul weight (an adaptive norm with a projection) is
+    not one.
+    """
+    if isinstance(module, _TORCH_NORMS):
+        return True
+    named = any(_NORM_NAME.search(c.__name__) for c in type(module).__mro__ if c not in (nn.Module, object))
+    return named and all(p.dim() <= 1 for p in module.parameters())
+
+
+def looks_like_norm(module: nn.Module) -> bool:
+    """A module the ``"norms"`` rule does not take but that plainly may be one (for a warning):
+    'norm' somewhere in its class name, or a leaf whose only parameters are a 1-D ``weight`` (and
+    ``bias``) of one length, as an affine normalisation holds."""
+    if is_norm(module) or type(module).__module__.startswith("torch."):  # torch's own classes are known
+        return False
+    if "norm" in type(module).__name__.lower():
+        return True
+    params = dict(module.named_parameters(recurse=False))
+    if next(module.children(), None) is not None or "weight" not in params or set(params) - {"weight", "bias"}:
+        return False
+    return all(p.dim() == 1 and p.numel() == params["weight"].numel() for p in params.values())
+
+
+# Module families a recipe can name: family -> predicate on a module.
+_FAMILIES: dict[str, Callable[[nn.Module], bool]] = {"norms": is_norm}
+FAMILIES = tuple(_FAMILIES)
 
 Rule = str | type | Callable[[str, nn.Module], bool]
 
@@ -210,7 +250,7 @@ def module_matches_rule(name: str, module: nn.Module, rule: Rule) -> bool:
     if callable(rule):
         return bool(rule(name, module))
     if rule in _FAMILIES:
-        return isinstance(module, _FAMILIES[rule])
+        return _FAMILIES[rule](module)
     return name == rule or type(module).__name__ == rule
 
 
@@ -242,6 +282,9 @@ def keep_fp32(
                 f"fp32 island rule {r!r} matches no submodule name or class of {type(model).__name__}; "
                 f"use a qualified name from model.named_modules(), a class (name), or one of {sorted(_FAMILIES)}"
             )
+    for i, r in enumerate(rules):
+        if r == "norms" and i not in matched:
+            warn_unmatched_norms(model, "fp32 islands")
     chosen: list[str] = []  # islands that match the rules (made now or earlier)
     covered: list[str] = []  # every island: modules inside one need no island of their own
     for (name, module), hit in zip(modules, hits):
@@ -254,6 +297,30 @@ def keep_fp32(
             if hit:
                 chosen.append(name)
     return chosen
+
+
+def warn_unmatched_norms(model: nn.Module, what: str) -> None:
+    """Warn when the ``"norms"`` family matched nothing in ``model`` but some modules look like norms."""
+    suspects = [(n, type(m).__name__) for n, m in model.named_modules() if n and looks_like_norm(m)]
+    if not suspects:
+        return
+    classes = sorted({c for _, c in suspects})
+    shown = ", ".join(f"{n} ({c})" for n, c in suspects[:4]) + ("..." if len(suspects) > 4 else "")
+    warnings.warn(
+        f"the 'norms' rule ({what}) matched no module of {type(model).__name__}, but these look like "
+        f"norms: {shown}. If they normalise, name them: fp32_modules={classes!r} (islands) and, for the "
+        f"16-bit storage recipes, fp32_params={['norms', 'biases', 'embeddings', 'bare', *classes]!r}",
+        UserWarning, stacklevel=3,
+    )
+
+
+def family_matches(model: nn.Module, family: str) -> dict[str, int]:
+    """Class name -> how many of ``model``'s modules the family (``"norms"``) matches."""
+    counts: dict[str, int] = {}
+    for name, m in model.named_modules():
+        if name and _FAMILIES[family](m):
+            counts[type(m).__name__] = counts.get(type(m).__name__, 0) + 1
+    return counts
 
 
 def remove_fp32_islands(model: nn.Module) -> int:

@@ -35,7 +35,7 @@ NORMS = "norms"
 #: are stored in fp32 and the optimizer steps them directly.
 MASTER_KINDS = ("none", "fp32", "kahan", "sr", "remainder", "nearest")
 #: Parameters the 16-bit storage recipes keep in fp32 (rule items of ``mixprec.masters.rules``).
-FP32_PARAMS = ("norms", "biases", "embeddings")
+FP32_PARAMS = ("norms", "biases", "embeddings", "bare")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,7 +199,7 @@ def _storage_recipe(name: str, dtype: torch.dtype, master: str, description: str
 
 for _name, _dtype, _master, _aliases, _description in (
     ("bf16-true", torch.bfloat16, "fp32", (),
-     "bf16 weights and grads, fp32 master copy and optimizer state; norms, biases, embeddings in fp32"),
+     "bf16 weights and grads, fp32 master copy and optimizer state; norms, biases, embeddings, bare params in fp32"),
     ("fp16-true", torch.float16, "fp32", ("O2",),
      "fp16 weights and grads, fp32 master copy and optimizer state, dynamic loss scaling (Apex O2)"),
     ("bf16-true-kahan", torch.bfloat16, "kahan", (),

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from mixprec.formats import short_name
-from mixprec.islands import Rule, as_rules, keep_fp32
+from mixprec.islands import FAMILIES, Rule, as_rules, family_matches, keep_fp32
 from mixprec.masters import MasterWeights, make_masters
 from mixprec.policy import InputCast, OutputCast
 from mixprec.recipes import Recipe, as_device, resolve_recipe
@@ -58,7 +58,7 @@ class MixedPrecision:
         skip_nonfinite: for recipes without a loss scaler, still skip steps whose gradients hold
             inf/NaN (a ``StaticLossScaler(1.0)``; one host sync per step with unfused optimizers).
         fp32_params: for recipes that store parameters in 16 bits, the rule for parameters kept in
-            fp32, replacing the recipe's (``("norms", "biases", "embeddings")``); see
+            fp32, replacing the recipe's (``("norms", "biases", "embeddings", "bare")``); see
             ``mixprec.masters.rules``.
         nan_guard: attach ``mixprec.nan_guard`` to the model in ``prepare``: True (mode "raise"), a
             mode ("raise", "warn", "record") or a dict of its options. Off (False) adds no hooks.
@@ -99,6 +99,7 @@ class MixedPrecision:
         self._false: torch.Tensor | None = None
         self.masters: MasterWeights | None = None
         self._model_ref: Any = None  # a weakref to the last prepared model
+        self._families: dict[str, dict[str, int]] = {}  # family -> class -> count, from prepare
         if self.recipe.stores_16bit:
             rule = self.recipe.fp32_params if fp32_params is None else tuple(as_rules(fp32_params))
             self.masters = make_masters(self.recipe.master, self.policy.param_dtype, rule)
@@ -155,6 +156,8 @@ class MixedPrecision:
                 f"build a fresh model to prepare it for {self.recipe.name!r}"
             )
         self._check_params(model)
+        self._families = {f: family_matches(model, f) for f in (*self.recipe.fp32_modules, *self.fp32_modules)
+                          if isinstance(f, str) and f in FAMILIES}
         if self.recipe.autocast:
             keep_fp32(model, [*self.recipe.fp32_modules, *self.fp32_modules], self.device.type)
             model.register_forward_hook(OutputCast(self.policy.output_dtype))
@@ -449,12 +452,19 @@ class MixedPrecision:
             f"recipe   {r.name}  ({r.reason})",
             f"policy   {r.policy}  autocast={'on' if r.autocast else 'off'}",
             f"scaler   {scaler}",
-            f"fp32     {', '.join(map(str, (*r.fp32_modules, *self.fp32_modules))) or '-'}",
+            f"fp32     {', '.join(map(self._family_text, (*r.fp32_modules, *self.fp32_modules))) or '-'}",
             f"device   {self.device}",
         ]
         if self.masters is not None:
             lines.insert(3, f"masters  {self.masters.describe()}")
         return "\n".join(lines)
+
+    def _family_text(self, rule: Any) -> str:
+        """``norms (LayerNorm x4, LlamaRMSNorm x1)`` once prepare has matched the family."""
+        counts = self._families.get(rule) if isinstance(rule, str) else None
+        if counts is None:
+            return str(getattr(rule, "__name__", rule))
+        return f"{rule} ({', '.join(f'{c} x{n}' for c, n in counts.items()) or 'nothing matched'})"
 
     def __repr__(self) -> str:
         return f"MixedPrecision({self.recipe.name!r}, device={str(self.device)!r})"

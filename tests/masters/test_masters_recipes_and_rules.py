@@ -156,7 +156,7 @@ def test_user_rule_replaces_the_recipe_rule_and_shows_in_describe():
     dtypes = {n: p.dtype for n, p in model.named_parameters()}
     assert dtypes["ln.weight"] == torch.float32 and dtypes["body.0.bias"] == torch.bfloat16
     assert dtypes["tok.weight"] == torch.bfloat16
-    assert "fp32: ln (2 tensors)" in mp.describe()
+    assert "fp32: ln (2) (2 tensors)" in mp.describe()  # per rule item, then the total
 
 
 def test_fp32_params_on_a_recipe_storing_fp32_is_refused():

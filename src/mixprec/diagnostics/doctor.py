@@ -29,15 +29,14 @@ from mixprec.diagnostics.doctor_runs import build, run_steps
 from mixprec.diagnostics.probes.activations import probe_activation_range
 from mixprec.diagnostics.probes.gradients import probe_grad_underflow
 from mixprec.diagnostics.probes.updates import probe_update_vanishing
+from mixprec.islands import is_norm, looks_like_norm
 from mixprec.masters import fp32_param_names
 from mixprec.recipes import as_device, resolve_recipe
 from mixprec.tasks import Task, load_task, to_device
 
-_NORM_TYPES = tuple(t for t in (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase, getattr(nn, "RMSNorm", None)) if t)
-
-
 def _norm_like(module: nn.Module) -> bool:
-    return isinstance(module, _NORM_TYPES) or "norm" in type(module).__name__.lower()
+    """Norms the recipes recognise, and modules that look like one (checked for tiny variances too)."""
+    return is_norm(module) or looks_like_norm(module)
 
 
 def _measure_norms(model: nn.Module, forward: Callable[[], Any]) -> dict[str, tuple[str, float]]:

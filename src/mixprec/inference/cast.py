@@ -189,7 +189,7 @@ def cast_for_inference(
         fp32_modules: fp32 island rules (``mixprec.islands.keep_fp32``); default the recipe's
             (``("norms",)``). ``()`` for none.
         fp32_params: storage mode only: which parameters stay fp32 (``mixprec.masters.rules``
-            items); default the storage recipe's (norms, biases, embeddings). ``()`` stores every
+            items); default the storage recipe's (norms, biases, embeddings, bare). ``()`` stores every
             floating parameter in 16 bits (the norms then compute in fp32 with 16-bit weights).
         inplace: cast ``model`` itself instead of a deep copy of it.
 

@@ -54,6 +54,7 @@ import torch
 from torch import nn
 
 from mixprec.formats import get_format
+from mixprec.islands import warn_unmatched_norms
 from mixprec.masters import buckets as _layout
 from mixprec.masters.buckets import (
     PER_PARAMETER_OPTIMIZERS,
@@ -103,6 +104,7 @@ class MasterWeights(_GradFolding):
         self.fp32_params = tuple(fp32_params)
         self.slots: list[_Slot] = []
         self.fp32_names: list[str] = []
+        self.fp32_by_rule: dict[str, list[str]] = {}
         self._model: nn.Module | None = None
         self._by_param: dict[int, _Slot] = {}
         self._by_proxy: dict[int, _Slot] = {}
@@ -136,6 +138,10 @@ class MasterWeights(_GradFolding):
             )
         keep = set(fp32_param_names(model, self.fp32_params))
         self.fp32_names = sorted(keep)
+        # per rule item, what it kept (describe() says it): a family that matched nothing is visible
+        self.fp32_by_rule = {_rule_name(r): fp32_param_names(model, [r]) for r in self.fp32_params}
+        if "norms" in self.fp32_params and not self.fp32_by_rule.get("norms"):
+            warn_unmatched_norms(model, "parameters kept fp32")
         values_32: list[torch.Tensor] = []  # per slot, in order: the fp32 value before storage
         with torch.no_grad():
             for name, p in model.named_parameters():
@@ -445,7 +451,8 @@ class MasterWeights(_GradFolding):
         return (
             f"{self.kind}: {self.description}; {len(self.slots)} tensors ({n16:,} params) stored in "
             f"{get_format(self.storage_dtype).name}, +{self.extra_bytes} B/param kept, "
-            f"fp32: {', '.join(map(_rule_name, self.fp32_params)) or '-'} ({len(self.fp32_names)} tensors)"
+            f"fp32: {', '.join(f'{r} ({len(n)})' for r, n in self.fp32_by_rule.items()) or '-'} "
+            f"({len(self.fp32_names)} tensors)"
             + (f"; {len(self.frozen)} frozen tensors ({sum(p.numel() for _, p in self.frozen):,} params) "
                f"stored in {get_format(self.storage_dtype).name} without masters" if self.frozen else "")
         )

@@ -1,23 +1,35 @@
-"""Which parameters a 16-bit-storage recipe leaves in fp32.
+r"""Which parameters a 16-bit-storage recipe leaves in fp32.
 
 The rule is a list of items; a parameter stays fp32 when any item matches it:
 
-- ``"norms"``: parameters of normalisation modules (LayerNorm, GroupNorm, BatchNorm, RMSNorm...):
-  few bytes, and a norm's scale multiplies every activation.
+- ``"norms"``: parameters of normalisation modules, as ``mixprec.islands.is_norm`` recognises
+  them (torch's norm classes, and classes named like one such as ``LlamaRMSNorm`` or
+  ``T5LayerNorm``): few bytes, and a norm's scale multiplies every activation.
 - ``"biases"``: every parameter named ``bias``: one value per output feature, so a bf16 rounding
   of it shifts a whole channel; they cost almost nothing.
 - ``"embeddings"``: parameters of ``nn.Embedding`` / ``nn.EmbeddingBag``: rows of rare tokens get
   tiny, rare updates, the case where 16-bit rounding loses the most.
+- ``"bare"``: every parameter that is not the weight of a matmul or convolution, i.e. not named
+  ``weight`` (or ``*_weight``) with 2 or more dimensions: bare ``nn.Parameter``\ s added to the
+  activations (a ViT's ``cls_token`` and ``pos_embed``, LayerScale's ``gamma``, relative-position
+  tables) and 1-D scales. Under the mixed recipes they stay fp32 and so keep the residual stream
+  fp32 where they are added; stored in bf16 they would not, and bf16-true would compute something
+  else than bf16-mixed. They are few bytes.
 - a qualified parameter name (``"head.weight"``), a module name (``"head"``: every parameter under
   it), a module class name (``"LayerNorm"``) or class, or a predicate ``(name, param) -> bool``.
 
-The recipes' default is ``("norms", "biases", "embeddings")``; see it with
+The recipes' default is ``("norms", "biases", "embeddings", "bare")``: only matmul and convolution
+weights are stored in 16 bits. See it with
 ``MixedPrecision.describe()`` and change it with ``MixedPrecision(..., fp32_params=[...])``.
 
+>>> import torch
 >>> from torch import nn
 >>> net = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 4), nn.LayerNorm(4))
 >>> fp32_param_names(net, DEFAULT_FP32_PARAMS)
 ['0.weight', '1.bias', '2.weight', '2.bias']
+>>> net.register_parameter("pos_embed", nn.Parameter(torch.zeros(1, 8, 4)))  # a bare parameter
+>>> fp32_param_names(net, DEFAULT_FP32_PARAMS)
+['pos_embed', '0.weight', '1.bias', '2.weight', '2.bias']
 """
 
 from __future__ import annotations
@@ -27,12 +39,17 @@ from collections.abc import Callable, Iterator, Sequence
 from torch import nn
 
 from mixprec.islands import module_matches_rule
-from mixprec.recipes import FP32_PARAMS as DEFAULT_FP32_PARAMS  # the recipes' default rule
+from mixprec.recipes import FP32_PARAMS as DEFAULT_FP32_PARAMS  # noqa: F401  (the recipes' default rule)
 
 ParamRule = str | type | Callable[[str, nn.Parameter], bool]
 
 _EMBEDDINGS = (nn.Embedding, nn.EmbeddingBag)
-FAMILIES = ("norms", "biases", "embeddings")
+FAMILIES = ("norms", "biases", "embeddings", "bare")
+
+
+def is_matmul_weight(local: str, param: nn.Parameter) -> bool:
+    """A matmul or convolution weight: named ``weight`` or ``*_weight`` (``in_proj_weight``), 2-D or more."""
+    return (local == "weight" or local.endswith("_weight")) and param.dim() >= 2
 
 
 def _matches(rule: ParamRule, qual: str, local: str, module_name: str, module: nn.Module, param: nn.Parameter) -> bool:
@@ -46,6 +63,8 @@ def _matches(rule: ParamRule, qual: str, local: str, module_name: str, module: n
         return local == "bias"
     if rule == "embeddings":
         return isinstance(module, _EMBEDDINGS)
+    if rule == "bare":
+        return not is_matmul_weight(local, param)
     return (
         qual == rule
         or module_name == rule
