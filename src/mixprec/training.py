@@ -117,10 +117,13 @@ class MixedPrecision:
             ``mixprec.masters.rules``.
         nan_guard: attach ``mixprec.nan_guard`` to the model in ``prepare``: True (mode "raise"), a
             mode ("raise", "warn", "record") or a dict of its options. Off (False) adds no hooks.
+        fp8: for fp8 recipes, options replacing the recipe's ``Fp8Spec`` fields (``{"margin": 1,
+            "amax_history_len": 16, "exclude": ("blocks.0.*",)}``), or a whole ``Fp8Spec``.
 
     Attributes: ``recipe`` (with ``recipe.reason``), ``device``, ``policy``, ``scaler``, ``masters``
     (the master-weight strategy of a 16-bit storage recipe, else None), ``guard`` (the ``NanGuard``
-    after ``prepare`` when ``nan_guard`` is on, else None).
+    after ``prepare`` when ``nan_guard`` is on, else None), ``fp8`` (an fp8 recipe's
+    ``mixprec.fp8.Fp8Training`` after ``prepare``, else None).
     """
 
     def __init__(
@@ -135,6 +138,7 @@ class MixedPrecision:
         skip_nonfinite: bool = False,
         fp32_params: Sequence[Any] | None = None,
         nan_guard: bool | str | dict[str, Any] = False,
+        fp8: Any = None,
     ) -> None:
         self.device = as_device(device)
         self.recipe = resolve_recipe(recipe, self.device)
@@ -161,6 +165,10 @@ class MixedPrecision:
                 f"fp32_params applies to recipes that store parameters in 16 bits; {self.recipe.name!r} "
                 "stores them in fp32. Use fp32_modules= for fp32 compute islands."
             )
+        if fp8 is not None and self.recipe.fp8 is None:
+            raise ValueError(f"fp8= applies to fp8 recipes (fp8-current, fp8-delayed); {self.recipe.name!r} is not one")
+        self.fp8_spec = None if self.recipe.fp8 is None else self.recipe.fp8 if fp8 is None else self.recipe.fp8.with_options(fp8)
+        self.fp8: Any = None  # the fp8 layers and their scaling state, after prepare
 
     @property
     def policy(self):
@@ -220,6 +228,10 @@ class MixedPrecision:
                             setattr(module, name, buf.to(self.policy.param_dtype))
         elif self.fp32_modules:
             keep_fp32(model, self.fp32_modules, self.device.type)
+        if self.fp8_spec is not None:  # after the islands: an island stays fp32
+            from mixprec.fp8.state import Fp8Training  # a capability: imported when a recipe asks for it
+
+            self.fp8 = Fp8Training.attach(model, self.fp8_spec, self.device, self.recipe.name)
         if self.masters is not None:
             self.masters.attach(model)
         model._mixprec_recipe = self.recipe.name  # type: ignore[attr-defined]
@@ -372,6 +384,8 @@ class MixedPrecision:
                 s.step()
         scale = self.scaler.last_scale if self.scaler.is_enabled() else one
         skipped = self.scaler.last_skipped if self.scaler.is_enabled() else false
+        if self.fp8 is not None:  # delayed scaling's history advances, unless the step was skipped
+            self.fp8.after_step(self.scaler.last_skipped if self.scaler.is_enabled() else None)
         return StepStats(window_loss, grad_norm, scale, skipped, True, self._steps)
 
     def _scaler_defers(self) -> bool:
@@ -422,6 +436,8 @@ class MixedPrecision:
         state = {"recipe": self.recipe.name, "scaler": self.scaler.state_dict(), "steps": self._steps}
         if self.masters is not None:
             state["masters"] = self.masters.state_dict()
+        if self.fp8 is not None:
+            state["fp8"] = self.fp8.state_dict()
         return state
 
     def load_state_dict(self, state: dict[str, Any], strict: bool = True) -> None:
@@ -435,6 +451,10 @@ class MixedPrecision:
             self.scaler.load_state_dict(state["scaler"])
         if self.masters is not None and "masters" in state:
             self.masters.load_state_dict(state["masters"])
+        if state.get("fp8", {}).get("layers") and self.fp8 is None:
+            raise RuntimeError("the checkpoint holds fp8 scaling state: call mp.prepare(model) before mp.load_state_dict")
+        if self.fp8 is not None and "fp8" in state:
+            self.fp8.load_state_dict(state["fp8"])
         self._steps = int(state.get("steps", 0))
         self._micro, self._loss_sum = 0, None
 
@@ -451,6 +471,11 @@ class MixedPrecision:
         ]
         if self.masters is not None:
             lines.insert(3, f"masters  {self.masters.describe()}")
+        if self.fp8_spec is not None:  # which layers compute in fp8 and why the others do not
+            from mixprec.fp8.state import describe_spec
+
+            lines += [f"fp8      {ln}" if i == 0 else f"         {ln}" for i, ln in enumerate(
+                self.fp8.describe() if self.fp8 is not None else [describe_spec(self.fp8_spec) + " (prepare a model to see its layers)"])]
         return "\n".join(lines)
 
     def __repr__(self) -> str:
