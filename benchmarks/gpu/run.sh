@@ -4,11 +4,14 @@
 #
 #   bash benchmarks/gpu/run.sh                         # on the GPU machine, from anywhere; results in $OUT
 #   DEVICE=cpu QUICK=1 NOCOMPILE=1 bash benchmarks/gpu/run.sh   # dry run on a CPU: tiny shapes
+#   PARTS=fp8 bash benchmarks/gpu/run.sh               # the fp8 benchmark instead (issue 15; its own call,
+#                                                      # about 6 minutes): fp8 CUDA tests, large linears, the block
 #
 # Every part runs under its own time limit and inside one shared budget (BUDGET seconds, default
 # 470); a part that fails or runs out of time is logged and the next one runs. Files in $OUT (8 at
 # most come back from the device tool): run.log, bench_eager.json, overhead.json, overhead_ref.json,
-# compile_main.json, masters_step.json, compile_more.json, summary.md.
+# compile_main.json, masters_step.json, compile_more.json, summary.md. With PARTS=fp8: run.log,
+# fp8_linear.json, fp8_block.json, summary.md.
 set -u
 cd "$(dirname "$0")/../.." || exit 1
 ROOT=$PWD
@@ -18,6 +21,7 @@ DEVICE=${DEVICE:-cuda}
 BUDGET=${BUDGET:-470}
 QUICK=${QUICK:-0}
 NOCOMPILE=${NOCOMPILE:-0}
+PARTS=${PARTS:-main}
 mkdir -p "$OUT"
 export PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 LOG=$OUT/run.log
@@ -25,9 +29,13 @@ LOG=$OUT/run.log
 START=$(date +%s)
 if [ "$QUICK" = 1 ]; then
   SHAPE=tiny; SMALL=tiny; REPS=2; OREPS=3; MROUNDS=2; EXTRA="--threads 1"
+  FP8_WIDTHS="64"; FP8_TOKENS=128; FP8_REPS=2
 else
   SHAPE=ref; SMALL=small; REPS=20; OREPS=30; MROUNDS=20; EXTRA=""
+  FP8_WIDTHS="4096 8192"; FP8_TOKENS=8192; FP8_REPS=10
 fi
+COMPILE=both
+[ "$NOCOMPILE" = 1 ] && COMPILE=off
 BENCH="$PY -m mixprec bench --device $DEVICE $EXTRA"
 
 part() {  # part NAME LIMIT_S MIN_S COMMAND...: run COMMAND under min(LIMIT_S, budget left), unless < MIN_S is left
@@ -54,6 +62,20 @@ part() {  # part NAME LIMIT_S MIN_S COMMAND...: run COMMAND under min(LIMIT_S, b
   [ "$rc" = 124 ] && note=" (time limit)"
   echo "--- $name: rc=$rc in $(( $(date +%s) - t0 ))s$note" | tee -a "$LOG"
 }
+
+if [ "$PARTS" = fp8 ]; then
+  # fp8 against bf16-mixed: the matmul peaks (bf16 F.linear, fp8 _scaled_mm) and an MLP d -> 4d -> d
+  # training step at 4096 and 8192 wide, eager and compiled; then the reference block (all four of
+  # its linears in fp8), eager and compiled, with the e4m3 and bf16 peaks beside
+  part env 30 5 bash -c "$PY -c 'import torch; print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.get_device_name(0) if torch.cuda.is_available() else \"no CUDA\")'; nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv 2>/dev/null || true"
+  part fp8-cuda-tests 120 30 $PY -m pytest -m cuda -q -p no:cacheprovider -rs tests/fp8
+  # shellcheck disable=SC2086
+  part fp8-linear 200 60 $PY benchmarks/fp8_linear.py --device $DEVICE --widths $FP8_WIDTHS --tokens $FP8_TOKENS --reps $FP8_REPS --compile $COMPILE $EXTRA --budget-s @BUDGET@ --json "$OUT/fp8_linear.json"
+  part fp8-block 200 60 $BENCH --shape $SHAPE --recipes bf16-mixed fp8-current fp8-delayed --compile $COMPILE --tf32 off --reps $REPS --steps-per-rep 3 --budget-s @BUDGET@ --json "$OUT/fp8_block.json" --markdown
+  echo "total $(( $(date +%s) - START ))s of ${BUDGET}s" | tee -a "$LOG"
+  timeout -k 5 30 $PY benchmarks/gpu/summary.py "$OUT"
+  exit 0
+fi
 
 part env 30 5 bash -c "$PY -c 'import sys, torch; print(sys.version); print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.get_device_name(0) if torch.cuda.is_available() else \"no CUDA\")'; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv 2>/dev/null || true"
 # rc 5 = no CUDA tests collected
