@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 
@@ -45,22 +45,16 @@ FP8_CHOICES = {"scaling": ("delayed", "current", "none"), "format": ("hybrid", "
 
 @dataclasses.dataclass(frozen=True)
 class Fp8Spec:
-    """What an fp8 recipe swaps into the model and how it scales (``mixprec.fp8`` does the work).
+    """What an fp8 recipe swaps into the model and how it scales (``mixprec.fp8``; docs/fp8.md).
 
-    Attributes:
-        scaling: ``"delayed"`` (Transformer Engine's DelayedScaling: a step's scale comes from the
-            amax history up to the step before), ``"current"`` (torchao's: from the tensor being
-            cast) or ``"none"`` (scale 1: the unsafe baseline).
-        format: ``"hybrid"`` (e4m3 for inputs and weights, e5m2 for output gradients) or ``"e4m3"``.
-        granularity: ``"tensorwise"`` or ``"rowwise"`` (current scaling only: a scale per row along
-            each GEMM's reduction dimension).
-        amax_history_len, amax_compute_algo, margin: delayed scaling, TE's defaults (1024, ``"max"``
-            or ``"most_recent"``, 0): ``scale = fp8_max / amax / 2**margin``.
-        pow2_scales: round each scale down to a power of two (torchao's rowwise recipe does).
-        skip_first_last: keep the model's first and last ``nn.Linear`` in bf16 (torchao's advice).
-        exclude: glob patterns on qualified module names that stay bf16.
-        gemm: ``"auto"`` (``torch._scaled_mm`` on CUDA sm89+, else the exact emulation),
-            ``"emulate"`` or ``"scaled_mm"``.
+    ``scaling``: "delayed" (Transformer Engine's DelayedScaling: a step's scale from the amax history
+    up to the step before; ``amax_history_len``, ``amax_compute_algo`` and ``margin`` as TE's, with its
+    defaults), "current" (torchao's: from the tensor being cast; ``granularity`` "rowwise" for a
+    scale per row) or "none" (scale 1: the unsafe baseline). ``format``: "hybrid" (e4m3 inputs and
+    weights, e5m2 output gradients) or "e4m3". ``pow2_scales``: scales rounded down to powers of two.
+    Which layers: ``skip_first_last`` (the first and last ``nn.Linear`` stay bf16, torchao's advice),
+    ``exclude`` (glob patterns). ``gemm``: "auto" (``torch._scaled_mm`` on CUDA sm89+, else the exact
+    emulation), "emulate" or "scaled_mm".
     """
 
     scaling: str = "current"
@@ -88,17 +82,6 @@ class Fp8Spec:
         if isinstance(self.exclude, str) or not all(isinstance(e, str) for e in self.exclude):
             raise TypeError(f"fp8 exclude must be a tuple of glob patterns (strings), got {self.exclude!r}")
         object.__setattr__(self, "exclude", tuple(self.exclude))
-
-    def with_options(self, options: "Fp8Spec | dict[str, Any]") -> "Fp8Spec":
-        """This spec with ``options`` (a dict of field values, or a whole ``Fp8Spec``) applied."""
-        if isinstance(options, Fp8Spec):
-            return options
-        if not isinstance(options, dict):
-            raise TypeError(f"fp8 options are a dict of Fp8Spec fields or an Fp8Spec, got {type(options).__name__}")
-        fields = [f.name for f in dataclasses.fields(Fp8Spec)]
-        if set(options) - set(fields):
-            raise ValueError(f"unknown fp8 option(s) {sorted(set(options) - set(fields))}; expected some of {', '.join(fields)}")
-        return dataclasses.replace(self, **options)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -117,8 +117,7 @@ class MixedPrecision:
             ``mixprec.masters.rules``.
         nan_guard: attach ``mixprec.nan_guard`` to the model in ``prepare``: True (mode "raise"), a
             mode ("raise", "warn", "record") or a dict of its options. Off (False) adds no hooks.
-        fp8: for fp8 recipes, options replacing the recipe's ``Fp8Spec`` fields (``{"margin": 1,
-            "amax_history_len": 16, "exclude": ("blocks.0.*",)}``), or a whole ``Fp8Spec``.
+        fp8: for fp8 recipes, ``Fp8Spec`` fields replacing the recipe's (``{"margin": 1}``), or an ``Fp8Spec``.
 
     Attributes: ``recipe`` (with ``recipe.reason``), ``device``, ``policy``, ``scaler``, ``masters``
     (the master-weight strategy of a 16-bit storage recipe, else None), ``guard`` (the ``NanGuard``
@@ -165,10 +164,10 @@ class MixedPrecision:
                 f"fp32_params applies to recipes that store parameters in 16 bits; {self.recipe.name!r} "
                 "stores them in fp32. Use fp32_modules= for fp32 compute islands."
             )
-        if fp8 is not None and self.recipe.fp8 is None:
-            raise ValueError(f"fp8= applies to fp8 recipes (fp8-current, fp8-delayed); {self.recipe.name!r} is not one")
-        self.fp8_spec = None if self.recipe.fp8 is None else self.recipe.fp8 if fp8 is None else self.recipe.fp8.with_options(fp8)
-        self.fp8: Any = None  # the fp8 layers and their scaling state, after prepare
+        self.fp8_spec, self.fp8 = self.recipe.fp8, None  # (after prepare: the fp8 layers and their state)
+        if fp8 is not None:
+            from mixprec.fp8.state import with_options  # a capability: imported when an option asks for it
+            self.fp8_spec = with_options(self.recipe, fp8)
 
     @property
     def policy(self):
@@ -451,10 +450,9 @@ class MixedPrecision:
             self.scaler.load_state_dict(state["scaler"])
         if self.masters is not None and "masters" in state:
             self.masters.load_state_dict(state["masters"])
-        if state.get("fp8", {}).get("layers") and self.fp8 is None:
-            raise RuntimeError("the checkpoint holds fp8 scaling state: call mp.prepare(model) before mp.load_state_dict")
-        if self.fp8 is not None and "fp8" in state:
-            self.fp8.load_state_dict(state["fp8"])
+        if self.fp8 is not None or state.get("fp8"):
+            from mixprec.fp8.state import load_fp8_state  # (refuses fp8 state before prepare)
+            load_fp8_state(self.fp8, state.get("fp8"))
         self._steps = int(state.get("steps", 0))
         self._micro, self._loss_sum = 0, None
 
@@ -471,11 +469,9 @@ class MixedPrecision:
         ]
         if self.masters is not None:
             lines.insert(3, f"masters  {self.masters.describe()}")
-        if self.fp8_spec is not None:  # which layers compute in fp8 and why the others do not
-            from mixprec.fp8.state import describe_spec
-
-            lines += [f"fp8      {ln}" if i == 0 else f"         {ln}" for i, ln in enumerate(
-                self.fp8.describe() if self.fp8 is not None else [describe_spec(self.fp8_spec) + " (prepare a model to see its layers)"])]
+        if self.fp8_spec is not None:  # which layers compute in fp8, and why the others do not
+            from mixprec.fp8.state import describe_lines
+            lines += describe_lines(self.fp8_spec, self.fp8)
         return "\n".join(lines)
 
     def __repr__(self) -> str:

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import Any
 
@@ -35,6 +36,39 @@ def describe_spec(spec: Any, backend: str | None = None) -> str:
         how = "NO scaling (scale 1)"
     gemm = {"emulate": "emulated GEMMs (fp32)", "scaled_mm": "torch._scaled_mm"}.get(backend or "", f"gemm={spec.gemm}")
     return f"{fmt}, {how}{', power-of-two scales' if spec.pow2_scales else ''}; {gemm}"
+
+
+def with_options(recipe: Any, options: Any) -> Any:
+    """``recipe.fp8`` with ``options`` (a dict of ``Fp8Spec`` fields, or a whole ``Fp8Spec``) applied;
+    the errors say what is allowed. (``MixedPrecision(..., fp8=options)``.)"""
+    from mixprec.recipes import Fp8Spec
+
+    if recipe.fp8 is None:
+        raise ValueError(f"fp8= applies to fp8 recipes (fp8-current, fp8-delayed); {recipe.name!r} is not one")
+    if isinstance(options, Fp8Spec):
+        return options
+    if not isinstance(options, dict):
+        raise TypeError(f"fp8 options are a dict of Fp8Spec fields or an Fp8Spec, got {type(options).__name__}")
+    fields = [f.name for f in dataclasses.fields(Fp8Spec)]
+    if set(options) - set(fields):
+        raise ValueError(f"unknown fp8 option(s) {sorted(set(options) - set(fields))}; expected some of {', '.join(fields)}")
+    return dataclasses.replace(recipe.fp8, **options)
+
+
+def load_fp8_state(fp8: "Fp8Training | None", state: dict[str, Any] | None) -> None:
+    """``MixedPrecision.load_state_dict``'s fp8 part: refuses fp8 state before ``prepare``."""
+    if fp8 is None:
+        if state and state.get("layers"):
+            raise RuntimeError("the checkpoint holds fp8 scaling state: call mp.prepare(model) before mp.load_state_dict")
+        return
+    if state is not None:
+        fp8.load_state_dict(state)
+
+
+def describe_lines(spec: Any, fp8: "Fp8Training | None") -> list[str]:
+    """``MixedPrecision.describe``'s fp8 lines: the spec, then each ``nn.Linear`` once a model is prepared."""
+    lines = fp8.describe() if fp8 is not None else [describe_spec(spec) + " (prepare a model to see its layers)"]
+    return [("fp8      " if i == 0 else "         ") + ln for i, ln in enumerate(lines)]
 
 
 class Fp8Training:
