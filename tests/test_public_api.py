@@ -16,6 +16,7 @@ CORE = {
     "list_recipes", "register_recipe", "GradScaler", "StaticLossScaler", "NoOpScaler", "ScaleFloorError",
     "fp32_island", "keep_fp32", "remove_fp32_islands", "Fp32LayerNorm", "Fp32GroupNorm", "Fp32RMSNorm",
     "MixedPrecision", "StepStats", "Task", "load_task", "__version__",
+    "remove_fp8",  # undoes the fp8 recipes' module swap
 }
 TOOLS = {
     "compare", "ComparisonResult", "Verdict", "VerdictRule",

@@ -4,6 +4,8 @@
 #
 #   bash benchmarks/gpu/run.sh                         # on the GPU machine, from anywhere; results in $OUT
 #   DEVICE=cpu QUICK=1 NOCOMPILE=1 bash benchmarks/gpu/run.sh   # dry run on a CPU: tiny shapes
+#   PARTS=fp8 bash benchmarks/gpu/run.sh               # the fp8 benchmark instead (issue 15; its own call,
+#                                                      # about 6 minutes): fp8 CUDA tests, large linears, the block
 #
 # Every part runs under its own time limit and inside one shared budget (BUDGET seconds, default
 # 470). If the first part (env: python, torch, the device) fails, nothing else can run: the script
@@ -12,6 +14,7 @@
 # part and exit 1 when any part failed, so a broken run is never read as a good one. Files in $OUT
 # (8 at most come back from the device tool): run.log, bench_eager.json, overhead.json,
 # overhead_ref.json, compile_main.json, masters_step.json, compile_more.json, summary.md.
+# With PARTS=fp8: run.log, fp8_linear.json, fp8_block.json, summary.md.
 set -u
 cd "$(dirname "$0")/../.." || exit 1
 ROOT=$PWD
@@ -21,6 +24,7 @@ DEVICE=${DEVICE:-cuda}
 BUDGET=${BUDGET:-470}
 QUICK=${QUICK:-0}
 NOCOMPILE=${NOCOMPILE:-0}
+PARTS=${PARTS:-main}
 mkdir -p "$OUT"
 export PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 LOG=$OUT/run.log
@@ -30,9 +34,13 @@ STATUS=()   # "name: ok|FAILED rc=N|TIME LIMIT|skipped" per part, in order
 FAILED=0
 if [ "$QUICK" = 1 ]; then
   SHAPE=tiny; SMALL=tiny; REPS=2; OREPS=3; MROUNDS=2; EXTRA="--threads 1"
+  FP8_WIDTHS="64"; FP8_TOKENS=128; FP8_REPS=2
 else
   SHAPE=ref; SMALL=small; REPS=20; OREPS=30; MROUNDS=20; EXTRA=""
+  FP8_WIDTHS="4096 8192"; FP8_TOKENS=8192; FP8_REPS=10
 fi
+COMPILE=both
+[ "$NOCOMPILE" = 1 ] && COMPILE=off
 BENCH="$PY -m mixprec bench --device $DEVICE $EXTRA"
 
 part() {  # part NAME LIMIT_S MIN_S COMMAND...: run COMMAND under min(LIMIT_S, budget left), unless < MIN_S is left
@@ -60,7 +68,7 @@ part() {  # part NAME LIMIT_S MIN_S COMMAND...: run COMMAND under min(LIMIT_S, b
   [ "$rc" = 124 ] && note=" (time limit)"
   echo "--- $name: rc=$rc in $(( $(date +%s) - t0 ))s$note" | tee -a "$LOG"
   # pytest's 5 is "no tests collected": the CUDA tests on a CPU dry run
-  if [ "$rc" = 0 ] || { [ "$rc" = 5 ] && [ "$name" = cuda-tests ]; }; then
+  if [ "$rc" = 0 ] || { [ "$rc" = 5 ] && [[ "$name" == *cuda-tests ]]; }; then
     STATUS+=("$name: ok")
   else
     FAILED=1
@@ -75,6 +83,16 @@ part env 30 5 bash -c "set -e; $PY -c 'import sys, torch; print(sys.version); pr
   echo "!!! the environment is broken (python, torch or mixprec cannot start): nothing else can run; stopping" | tee -a "$LOG" >&2
   exit 1
 }
+if [ "$PARTS" = fp8 ]; then
+  # fp8 against bf16-mixed: the matmul peaks (bf16 F.linear, fp8 _scaled_mm) and an MLP d -> 4d -> d
+  # training step at 4096 and 8192 wide, eager and compiled; then the reference block (all four of
+  # its linears in fp8), eager and compiled, with the e4m3 and bf16 peaks beside
+  part fp8-cuda-tests 120 30 $PY -m pytest -m cuda -q -p no:cacheprovider -rs tests/fp8
+  # shellcheck disable=SC2086
+  part fp8-linear 200 60 $PY benchmarks/fp8_linear.py --device $DEVICE --widths $FP8_WIDTHS --tokens $FP8_TOKENS --reps $FP8_REPS --compile $COMPILE $EXTRA --budget-s @BUDGET@ --json "$OUT/fp8_linear.json"
+  part fp8-block 200 60 $BENCH --shape $SHAPE --recipes bf16-mixed fp8-current fp8-delayed --compile $COMPILE --tf32 off --reps $REPS --steps-per-rep 3 --budget-s @BUDGET@ --json "$OUT/fp8_block.json" --markdown
+else
+
 # rc 5 = no CUDA tests collected
 part cuda-tests 150 30 $PY -m pytest -m cuda -q -p no:cacheprovider -rs
 part eager 120 40 $BENCH --shape $SHAPE --reps $REPS --steps-per-rep 3 --tf32 both --budget-s @BUDGET@ --json "$OUT/bench_eager.json" --markdown
@@ -89,6 +107,7 @@ if [ "$NOCOMPILE" != 1 ]; then
   # every recipe compiled cold takes longer than this part has: --budget-s keeps what fits
   part compile-more 150 60 $BENCH --shape $SHAPE --compile on --tf32 both --reps $REPS --steps-per-rep 3 --budget-s @BUDGET@ --json "$OUT/compile_more.json" --markdown
 fi
+fi  # PARTS
 echo "total $(( $(date +%s) - START ))s of ${BUDGET}s" | tee -a "$LOG"
 timeout -k 5 30 $PY benchmarks/gpu/summary.py "$OUT" || { FAILED=1; STATUS+=("summary: FAILED"); }
 echo "== parts" | tee -a "$LOG"

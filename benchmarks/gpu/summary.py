@@ -3,7 +3,8 @@
     python benchmarks/gpu/summary.py OUT_DIR
 
 Reads what the parts left in OUT_DIR (bench_eager.json, compile_main.json, compile_more.json,
-overhead.json, overhead_ref.json, masters_step.json, run.log); a missing file just leaves its rows out.
+overhead.json, overhead_ref.json, masters_step.json, run.log; with PARTS=fp8, fp8_linear.json and
+fp8_block.json); a missing file just leaves its rows out.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ def summarize(out: pathlib.Path) -> str:
     more = _load(out, "compile_more.json")
     overheads = [_load(out, "overhead.json"), _load(out, "overhead_ref.json")]
     lines = ["# Benchmark summary", ""]
-    env = next((d["env"] for d in (eager, compiled, more, *overheads) if d), None)
+    fp8_linear, fp8_block = _load(out, "fp8_linear.json"), _load(out, "fp8_block.json")
+    env = next((d["env"] for d in (eager, compiled, more, *overheads, fp8_block, fp8_linear) if d), None)
     if env:
         lines.append(f"{env.get('device_name')} | torch {env['torch']} | CUDA {env.get('cuda')} | {env['date']}")
         lines.append("")
@@ -40,7 +42,8 @@ def summarize(out: pathlib.Path) -> str:
     if log.exists():
         parts = re.findall(r"^--- (\S+): (rc=\d+ in \d+s.*|skipped.*)$", log.read_text(errors="replace"), re.M)
         lines += ["parts: " + "; ".join(f"{name} {status}" for name, status in parts), ""]
-    for title, doc in (("eager", eager), ("torch.compile (fp32, bf16-mixed)", compiled), ("torch.compile (all)", more)):
+    for title, doc in (("eager", eager), ("torch.compile (fp32, bf16-mixed)", compiled), ("torch.compile (all)", more),
+                       ("fp8 recipes on the reference block", fp8_block)):
         if doc:
             s = doc["shape"]
             lines += [f"## {title}: d={s['d_model']} B={s['batch']} T={s['seq']}, {doc['settings']['optimizer']}, "
@@ -60,9 +63,33 @@ def summarize(out: pathlib.Path) -> str:
         lines += [f"## master-weight step work: {a['layers']} x Linear({a['width']}, {a['width']}), batch {a['batch']}", "",
                   tables.markdown_table(["recipe", "16-bit tensors", "step ms", "vs bf16-mixed (95% CI)", "masters ms/step",
                                          "us/tensor"], rows), ""]
-    rows = [[g["goal"], g["target"], g["measured"], goals.verdict(g)] for g in goals.all_goals(eager, compiled, overheads)]
+    if fp8_block and fp8_block.get("peaks"):
+        lines += [tables.markdown_table(*tables.peak_rows(fp8_block)), ""]
+    if fp8_linear:
+        lines += ["## fp8 on large linears (MLP d -> 4d -> d)", "", _fp8_linear_markdown(fp8_linear), ""]
+    issue7 = eager or compiled or any(overheads)  # (a PARTS=fp8 run answers none of them)
+    rows = [[g["goal"], g["target"], g["measured"], goals.verdict(g)]
+            for g in goals.all_goals(eager, compiled, overheads)] if issue7 else []
+    if fp8_linear:
+        rows.append(_fp8_gemm_goal(fp8_linear))
     lines += ["## goals", "", tables.markdown_table(["goal", "target", "measured", "verdict"], rows)]
     return "\n".join(lines) + "\n"
+
+
+def _fp8_linear_markdown(doc: dict) -> str:
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+    from fp8_linear import markdown  # benchmarks/fp8_linear.py
+
+    return markdown(doc)
+
+
+def _fp8_gemm_goal(doc: dict) -> list[str]:
+    """Issue 15: fp8 GEMMs >= 1.6x bf16 at 8192 wide."""
+    peak = next((p for p in doc["peaks"] if p["d"] == 8192), None)
+    ratio = None if peak is None else peak.get("fp8_vs_bf16")
+    measured = "not measured" if ratio is None else f"{ratio:.2f}x"
+    return ["fp8 GEMM over bf16 at 8192 (_scaled_mm)", ">= 1.6x", measured,
+            "-" if ratio is None else "met" if ratio >= 1.6 else "MISSED"]
 
 
 def main(argv: list[str]) -> int:

@@ -44,6 +44,8 @@ _EXPORTS: dict[str, str] = {
     # the training step
     "MixedPrecision": "mixprec.training",
     "StepStats": "mixprec.training",
+    # fp8 (the fp8 recipes swap nn.Linear layers in prepare; this swaps them back)
+    "remove_fp8": "mixprec.fp8.swap",
     # tasks (the protocol compare and doctor train)
     "Task": "mixprec.tasks",
     "load_task": "mixprec.tasks",

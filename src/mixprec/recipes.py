@@ -37,6 +37,52 @@ MASTER_KINDS = ("none", "fp32", "kahan", "sr", "remainder", "nearest")
 #: Parameters the 16-bit storage recipes keep in fp32 (rule items of ``mixprec.masters.rules``).
 FP32_PARAMS = ("norms", "biases", "embeddings", "bare")
 
+#: fp8 recipes (``Fp8Spec``): the allowed values of its choice fields.
+FP8_CHOICES = {"scaling": ("delayed", "current", "none"), "format": ("hybrid", "e4m3"),
+               "granularity": ("tensorwise", "rowwise"), "amax_compute_algo": ("max", "most_recent"),
+               "gemm": ("auto", "emulate", "scaled_mm")}
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Spec:
+    """What an fp8 recipe swaps into the model and how it scales (``mixprec.fp8``; docs/fp8.md).
+
+    ``scaling``: "delayed" (Transformer Engine's DelayedScaling: a step's scale from the amax history
+    up to the step before; ``amax_history_len``, ``amax_compute_algo`` and ``margin`` as TE's, with its
+    defaults), "current" (torchao's: from the tensor being cast; ``granularity`` "rowwise" for a
+    scale per row) or "none" (scale 1: the unsafe baseline). ``format``: "hybrid" (e4m3 inputs and
+    weights, e5m2 output gradients) or "e4m3". ``pow2_scales``: scales rounded down to powers of two.
+    Which layers: ``skip_first_last`` (the first and last ``nn.Linear`` stay bf16, torchao's advice),
+    ``exclude`` (glob patterns). ``gemm``: "auto" (``torch._scaled_mm`` on CUDA sm89+, else the exact
+    emulation), "emulate" or "scaled_mm".
+    """
+
+    scaling: str = "current"
+    format: str = "hybrid"
+    granularity: str = "tensorwise"
+    amax_history_len: int = 1024
+    amax_compute_algo: str = "max"
+    margin: int = 0
+    pow2_scales: bool = False
+    skip_first_last: bool = True
+    exclude: tuple[str, ...] = ()
+    gemm: str = "auto"
+
+    def __post_init__(self) -> None:
+        for field, allowed in FP8_CHOICES.items():
+            if getattr(self, field) not in allowed:
+                raise ValueError(f"fp8 {field}={getattr(self, field)!r}; expected one of {', '.join(allowed)}")
+        for field, low in (("amax_history_len", 1), ("margin", 0)):
+            v = getattr(self, field)
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise ValueError(f"fp8 {field} must be an integer >= {low}, got {v!r}")
+        if self.granularity == "rowwise" and self.scaling != "current":
+            raise ValueError(f"fp8 rowwise scaling needs scaling='current' (a scale per row of the tensor being "
+                             f"cast), not {self.scaling!r}")
+        if isinstance(self.exclude, str) or not all(isinstance(e, str) for e in self.exclude):
+            raise TypeError(f"fp8 exclude must be a tuple of glob patterns (strings), got {self.exclude!r}")
+        object.__setattr__(self, "exclude", tuple(self.exclude))
+
 
 @dataclasses.dataclass(frozen=True)
 class Recipe:
@@ -58,6 +104,8 @@ class Recipe:
         pure: the whole model in the 16-bit storage dtype, as ``model.half()`` and Apex O3 make it:
             floating buffers (BatchNorm's running statistics) are stored in it too, and the
             model's floating inputs are cast to it. Needs 16-bit storage and ``fp32_params=()``.
+        fp8: for fp8 recipes, which ``nn.Linear`` layers compute in fp8 and how they scale
+            (``Fp8Spec``; ``prepare`` swaps them, ``mixprec.fp8``); None for the others.
         description: one line for ``mixprec recipes``.
         reason: why this recipe was chosen (``auto`` fills it in; otherwise "requested").
     """
@@ -73,6 +121,7 @@ class Recipe:
     master: str = "none"
     fp32_params: tuple = ()
     pure: bool = False
+    fp8: Fp8Spec | None = None
 
     def __post_init__(self) -> None:
         if self.loss_scaling not in ("none", "static", "dynamic"):
@@ -85,6 +134,9 @@ class Recipe:
                 f"Recipe {self.name!r}: pure=True puts the whole model in 16 bits; it needs 16-bit parameters "
                 "and fp32_params=()"
             )
+        if self.fp8 is not None and (not isinstance(self.fp8, Fp8Spec) or self.policy.param_dtype != _F32):
+            raise ValueError(f"Recipe {self.name!r}: fp8 takes an Fp8Spec, and fp8 recipes keep fp32 parameters "
+                             "(the fp8 copies are made per step)")
 
     def _check_master(self) -> None:
         if self.master not in MASTER_KINDS:
@@ -181,7 +233,6 @@ register_recipe(
 )
 
 
-
 def _storage_recipe(name: str, dtype: torch.dtype, master: str, description: str) -> Recipe:
     """A 16-bit storage recipe: weights and grads in ``dtype``, autocast for the ops that must stay
     fp32 and for mixing with the fp32 parameters, fp32 output."""
@@ -229,6 +280,24 @@ register_recipe(
     ),
     aliases=("O3",),
 )
+
+
+# fp8 on top of bf16-mixed (fp32 weights and optimizer state, bf16 autocast elsewhere, norms fp32,
+# no loss scaler): eligible nn.Linear layers compute in fp8 (prepare swaps them; mixprec.fp8).
+# Current scaling is the recommended one ("fp8"): torchao dropped delayed scaling for accuracy.
+for _name, _spec, _aliases, _description in (
+    ("fp8-current", Fp8Spec("current"), ("fp8",),
+     "fp8 linears, per-tensor current scaling (torchao tensorwise), e4m3 fwd / e5m2 grads; the rest bf16-mixed"),
+    ("fp8-delayed", Fp8Spec("delayed"), (),
+     "fp8 linears, delayed scaling from a 1024-step amax history (Transformer Engine); the rest bf16-mixed"),
+    ("fp8-unscaled", Fp8Spec("none", format="e4m3", skip_first_last=False), (),
+     "UNSAFE baseline: every linear in fp8, no scaling, e4m3 gradients: small gradients flush to zero"),
+):
+    register_recipe(
+        Recipe(_name, Policy(_F32, torch.bfloat16, _F32), autocast=True, fp32_modules=(NORMS,), fp8=_spec,
+               description=_description),
+        aliases=_aliases,
+    )
 
 
 def list_recipes() -> list[Recipe]:

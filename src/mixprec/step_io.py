@@ -10,6 +10,8 @@ from typing import Any, Union
 
 import torch
 
+from mixprec.formats import short_name
+
 
 @dataclasses.dataclass
 class StepStats:
@@ -93,3 +95,46 @@ def _check_max_grad_norm(max_grad_norm: float | None) -> None:
     if max_grad_norm is not None and not float(max_grad_norm) > 0:
         raise ValueError(f"max_grad_norm must be > 0 (or None for no clipping), got {max_grad_norm!r}: a norm "
                          "of 0 would zero every update, a negative one would reverse it")
+
+
+def check_loss(loss: Any) -> tuple[torch.Tensor, bool]:
+    """The loss as fp32, and whether it arrived in 16 bits (its reduction then ran in 16 bits)."""
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(f"step() expects the loss as a tensor, got {type(loss).__name__}")
+    if loss.numel() != 1:
+        raise ValueError(
+            f"step() expects a scalar loss, got shape {tuple(loss.shape)}; reduce it first (loss.mean())"
+        )
+    if not loss.requires_grad:
+        raise ValueError(
+            "the loss does not require grad: was it computed under torch.no_grad(), or from "
+            "detached tensors?"
+        )
+    if loss.dtype == torch.float32:
+        return loss, False
+    return loss.float(), loss.dtype in (torch.float16, torch.bfloat16)
+
+
+def check_model_params(model: torch.nn.Module, device: torch.device, recipe: Any, stores_16bit: bool) -> None:
+    """Refuse a model whose parameters are not where or what ``recipe`` expects at ``prepare``."""
+    for name, p in model.named_parameters():
+        if p.device.type != device.type:
+            raise ValueError(
+                f"parameter {name!r} is on {p.device}, but this MixedPrecision runs on {device}; "
+                f"move the model first (model.to({str(device)!r}))"
+            )
+        if not p.is_floating_point():
+            continue
+        if stores_16bit and p.dtype != torch.float32:
+            raise ValueError(
+                f"parameter {name!r} is stored in {short_name(p.dtype)}; recipe {recipe.name!r} "
+                "stores parameters in 16 bits itself, from an fp32 model (it needs the fp32 values for "
+                "the masters). Call model.float() first (lossless from bf16/f16) and prepare again."
+            )
+        if not stores_16bit and p.dtype != recipe.policy.param_dtype:
+            raise ValueError(
+                f"parameter {name!r} is stored in {short_name(p.dtype)}, but recipe {recipe.name!r} "
+                f"keeps parameters in {short_name(recipe.policy.param_dtype)}. model.half() is low "
+                "precision, not mixed precision: small updates vanish without fp32 master weights. "
+                "Call model.float() and let the recipe choose what runs in 16 bits."
+            )

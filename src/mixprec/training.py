@@ -37,6 +37,8 @@ from mixprec.step_io import (
     Optimizers,
     StepStats,
     _as_optimizers,
+    check_loss,
+    check_model_params,
     _check_max_grad_norm,
     _check_mp_state,
     _check_schedulers,
@@ -62,10 +64,12 @@ class MixedPrecision:
             ``mixprec.masters.rules``.
         nan_guard: attach ``mixprec.nan_guard`` to the model in ``prepare``: True (mode "raise"), a
             mode ("raise", "warn", "record") or a dict of its options. Off (False) adds no hooks.
+        fp8: for fp8 recipes, ``Fp8Spec`` fields replacing the recipe's (``{"margin": 1}``), or an ``Fp8Spec``.
 
     Attributes: ``recipe`` (with ``recipe.reason``), ``device``, ``policy``, ``scaler``, ``masters``
     (the master-weight strategy of a 16-bit storage recipe, else None), ``guard`` (the ``NanGuard``
-    after ``prepare`` when ``nan_guard`` is on, else None).
+    after ``prepare`` when ``nan_guard`` is on, else None), ``fp8`` (an fp8 recipe's
+    ``mixprec.fp8.Fp8Training`` after ``prepare``, else None).
     """
 
     def __init__(
@@ -80,6 +84,7 @@ class MixedPrecision:
         skip_nonfinite: bool = False,
         fp32_params: Sequence[Any] | None = None,
         nan_guard: bool | str | dict[str, Any] = False,
+        fp8: Any = None,
     ) -> None:
         self.device = as_device(device)
         self.recipe = resolve_recipe(recipe, self.device)
@@ -108,6 +113,10 @@ class MixedPrecision:
                 f"fp32_params applies to recipes that store parameters in 16 bits; {self.recipe.name!r} "
                 "stores them in fp32. Use fp32_modules= for fp32 compute islands."
             )
+        self.fp8_spec, self.fp8 = self.recipe.fp8, None  # (after prepare: the fp8 layers and their state)
+        if fp8 is not None:
+            from mixprec.fp8.state import with_options  # a capability: imported when an option asks for it
+            self.fp8_spec = with_options(self.recipe, fp8)
 
     @property
     def policy(self):
@@ -169,6 +178,10 @@ class MixedPrecision:
                             setattr(module, name, buf.to(self.policy.param_dtype))
         elif self.fp32_modules:
             keep_fp32(model, self.fp32_modules, self.device.type)
+        if self.fp8_spec is not None:  # after the islands: an island stays fp32
+            from mixprec.fp8.state import Fp8Training  # a capability: imported when a recipe asks for it
+
+            self.fp8 = Fp8Training.attach(model, self.fp8_spec, self.device, self.recipe.name)
         if self.masters is not None:
             self.masters.attach(model)
         model._mixprec_recipe = self.recipe.name  # type: ignore[attr-defined]
@@ -194,25 +207,7 @@ class MixedPrecision:
         return list(self.masters.named_parameters(model))
 
     def _check_params(self, model: nn.Module) -> None:
-        for name, p in model.named_parameters():
-            if p.device.type != self.device.type:
-                raise ValueError(
-                    f"parameter {name!r} is on {p.device}, but this MixedPrecision runs on {self.device}; "
-                    f"move the model first (model.to({str(self.device)!r}))"
-                )
-            if self.masters is not None and p.is_floating_point() and p.dtype != torch.float32:
-                raise ValueError(
-                    f"parameter {name!r} is stored in {short_name(p.dtype)}; recipe {self.recipe.name!r} "
-                    "stores parameters in 16 bits itself, from an fp32 model (it needs the fp32 values for "
-                    "the masters). Call model.float() first (lossless from bf16/f16) and prepare again."
-                )
-            if self.masters is None and p.is_floating_point() and p.dtype != self.policy.param_dtype:
-                raise ValueError(
-                    f"parameter {name!r} is stored in {short_name(p.dtype)}, but recipe {self.recipe.name!r} "
-                    f"keeps parameters in {short_name(self.policy.param_dtype)}. model.half() is low "
-                    "precision, not mixed precision: small updates vanish without fp32 master weights. "
-                    "Call model.float() and let the recipe choose what runs in 16 bits."
-                )
+        check_model_params(model, self.device, self.recipe, self.masters is not None)
 
     def autocast(self) -> torch.autocast:
         """The compute policy as a context manager (disabled for recipes that do not autocast)."""
@@ -221,28 +216,16 @@ class MixedPrecision:
     # ------------------------------------------------------------------ the step
 
     def _check_loss(self, loss: Any) -> torch.Tensor:
-        if not isinstance(loss, torch.Tensor):
-            raise TypeError(f"step() expects the loss as a tensor, got {type(loss).__name__}")
-        if loss.numel() != 1:
-            raise ValueError(
-                f"step() expects a scalar loss, got shape {tuple(loss.shape)}; reduce it first (loss.mean())"
+        loss32, sixteen = check_loss(loss)
+        if sixteen and not self._warned_16bit_loss:
+            self._warned_16bit_loss = True
+            warnings.warn(
+                f"the loss reached step() in {short_name(loss.dtype)}: its reduction ran in 16 bits. "
+                "Compute the loss in fp32: call the loss function outside mp.autocast(), or on "
+                "outputs of a prepared model (which casts them to fp32).",
+                stacklevel=3,
             )
-        if not loss.requires_grad:
-            raise ValueError(
-                "the loss does not require grad: was it computed under torch.no_grad(), or from "
-                "detached tensors?"
-            )
-        if loss.dtype != torch.float32:
-            if loss.dtype in (torch.float16, torch.bfloat16) and not self._warned_16bit_loss:
-                self._warned_16bit_loss = True
-                warnings.warn(
-                    f"the loss reached step() in {short_name(loss.dtype)}: its reduction ran in 16 bits. "
-                    "Compute the loss in fp32: call the loss function outside mp.autocast(), or on "
-                    "outputs of a prepared model (which casts them to fp32).",
-                    stacklevel=3,
-                )
-            loss = loss.float()
-        return loss
+        return loss32
 
     def _constants(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._one is None:
@@ -376,6 +359,8 @@ class MixedPrecision:
         one, false = self._constants()
         scale = self.scaler.last_scale if self.scaler.is_enabled() else one
         skipped = self.scaler.last_skipped if self.scaler.is_enabled() else false
+        if self.fp8 is not None:  # delayed scaling's history advances, unless the step was skipped
+            self.fp8.after_step(self.scaler.last_skipped if self.scaler.is_enabled() else None)
         loss = torch.full((), float("nan"), device=self.device) if loss is None else loss
         return StepStats(loss, grad_norm, scale, skipped, True, self._steps)
 
@@ -427,6 +412,8 @@ class MixedPrecision:
         state = {"recipe": self.recipe.name, "scaler": self.scaler.state_dict(), "steps": self._steps}
         if self.masters is not None:
             state["masters"] = self.masters.state_dict()
+        if self.fp8 is not None:
+            state["fp8"] = self.fp8.state_dict()
         return state
 
     def load_state_dict(self, state: dict[str, Any], strict: bool = True) -> None:
@@ -441,6 +428,9 @@ class MixedPrecision:
             self.scaler.load_state_dict(state["scaler"])
         if self.masters is not None and "masters" in state:
             self.masters.load_state_dict(state["masters"])
+        if self.fp8 is not None or state.get("fp8"):
+            from mixprec.fp8.state import load_fp8_state  # (refuses fp8 state before prepare)
+            load_fp8_state(self.fp8, state.get("fp8"))
         self._steps = int(state.get("steps", 0))
         self._micro, self._loss_sum = 0, None
 
@@ -457,6 +447,9 @@ class MixedPrecision:
         ]
         if self.masters is not None:
             lines.insert(3, f"masters  {self.masters.describe()}")
+        if self.fp8_spec is not None:  # which layers compute in fp8, and why the others do not
+            from mixprec.fp8.state import describe_lines
+            lines += describe_lines(self.fp8_spec, self.fp8)
         return "\n".join(lines)
 
     def _family_text(self, rule: Any) -> str:

@@ -21,7 +21,9 @@ from mixprec.formats import get_format, short_name
 #: Square matmul size per (device type, peak key). Large enough to fill an H200 (8192: 1.1 TFLOP,
 #: ~1.4 ms in bf16), small enough that emulated 16-bit on this CPU takes well under a second.
 PEAK_SIZES: dict[str, dict[str, int]] = {
-    "cuda": {"f32": 8192, "tf32": 8192, "bf16": 8192, "f16": 8192},
+    # e4m3: torch._scaled_mm (fp8 GEMMs, sm89+), what an fp8 recipe's linears run; not timed on the CPU,
+    # where torch runs it by a slow reference loop (seconds for 512^3)
+    "cuda": {"f32": 8192, "tf32": 8192, "bf16": 8192, "f16": 8192, "e4m3": 8192},
     "cpu": {"f32": 1024, "bf16": 512, "f16": 512},
 }
 
@@ -42,8 +44,11 @@ def tf32(enabled: bool) -> Iterator[None]:
         torch.set_float32_matmul_precision(previous)
 
 
-def peak_key(compute_dtype: torch.dtype, tf32_enabled: bool, device: torch.device) -> str:
-    """Which measured peak a recipe's compute is judged against (``f32``, ``tf32``, ``bf16``, ``f16``...)."""
+def peak_key(compute_dtype: torch.dtype, tf32_enabled: bool, device: torch.device, fp8: bool = False) -> str:
+    """Which measured peak a recipe's compute is judged against (``f32``, ``tf32``, ``bf16``, ``f16``; ``e4m3``
+    for an fp8 recipe whose linears run ``torch._scaled_mm``)."""
+    if fp8:
+        return "e4m3"
     name = short_name(compute_dtype)
     return "tf32" if name == "f32" and tf32_enabled and device.type == "cuda" else name
 
@@ -64,6 +69,11 @@ def measure_matmul_peak(key: str, device: torch.device, n: int | None = None, re
     a = torch.randn(n, n, generator=g).to(device=device, dtype=dtype)
     b = torch.randn(n, n, generator=g).to(device=device, dtype=dtype)
     layouts = {"nn": lambda: torch.mm(a, b), "nt": lambda: F.linear(a, b)}
+    if a.dtype.itemsize == 1:  # fp8: _scaled_mm takes (row-major, column-major) only, unit scales
+        one = torch.ones((), device=device)
+        b_cm = b.t().contiguous().t()
+        layouts = {"scaled_mm": lambda: torch._scaled_mm(a, b_cm, scale_a=one, scale_b=one, out_dtype=torch.bfloat16,
+                                                         use_fast_accum=True)}
     seconds: dict[str, float] = {}
     with tf32(key == "tf32"):
         for name, fn in layouts.items():

@@ -102,7 +102,10 @@ class Trainer:
         self.variant = variant
         self.device = device
         self.clip = clip
-        self.mp = MixedPrecision(variant.recipe, device)
+        # a block is a model's middle: the fp8 rule that keeps a model's first and last linear in bf16
+        # would leave half of it out, so every linear of the block computes in fp8 here
+        fp8 = {"skip_first_last": False} if resolve_recipe(variant.recipe, device).fp8 is not None else None
+        self.mp = MixedPrecision(variant.recipe, device, fp8=fp8)
         torch.manual_seed(0)
         model = RefBlock(shape).to(device)
         # prepare() stores parameters in 16 bits itself for the storage recipes (bf16-true, ...)
@@ -273,7 +276,10 @@ def run_bench(
         res["samples_s"] = samples[label]
         res["tokens_per_s"] = shape.tokens / s.median
         res["achieved_flops_per_s"] = flops["step"] / s.median
-        key = peak_key(t.mp.policy.compute_dtype, t.variant.tf32, device)
+        fp8 = t.mp.fp8
+        key = peak_key(t.mp.policy.compute_dtype, t.variant.tf32, device, fp8=fp8 is not None and fp8.backend == "scaled_mm")
+        if fp8 is not None:
+            res["fp8_linears"] = f"{len(fp8.layers)} of {len(fp8.decisions)} ({fp8.backend})"
         peak = peak_results.get(key, {}).get("flops_per_s")
         res["peak_key"] = key
         res["peak_flops_per_s"] = peak

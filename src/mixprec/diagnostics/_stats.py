@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+_FP8 = frozenset(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+                 if hasattr(torch, n))
 
 @dataclasses.dataclass(frozen=True)
 class TensorRange:
@@ -88,6 +90,8 @@ class StatsBuffer:
             except RuntimeError:  # inference tensors have no version counter
                 cache = False
         m = t.detach() if t.is_contiguous() else _dense_view(t.detach())
+        if t.dtype in _FP8:  # the fp8 linears' operands: no reduction kernels for fp8, exact in fp32
+            m = m.float()
         if self.finite_only:
             hi = torch.nan_to_num(m.abs(), nan=0.0, posinf=0.0).amax()
             lo = torch.zeros_like(hi)

@@ -20,7 +20,9 @@ from mixprec.diagnostics.events import NonFiniteEvent
 from mixprec.diagnostics.probes._common import pow2_label
 from mixprec.diagnostics.probes.activations import ActivationRangeReport
 from mixprec.diagnostics.probes.gradients import GradUnderflowReport
+from mixprec.diagnostics.probes.fp8 import ALARM_DB, WARN_DB, worst
 from mixprec.diagnostics.probes.updates import UpdateVanishingReport
+from mixprec.fp8 import CastStats
 from mixprec.formats import get_format, short_name
 from mixprec.recipes import Recipe
 
@@ -53,6 +55,7 @@ class Evidence:
     norms: list[NormStat] = dataclasses.field(default_factory=list)
     errors: dict[str, str] = dataclasses.field(default_factory=dict)
     kept_fp32: frozenset[str] = frozenset()  # parameters a 16-bit storage recipe keeps in fp32 (its rule)
+    fp8: list[CastStats] | None = None  # an fp8 recipe's casts (probes.fp8)
 
     @property
     def compute_fmt(self) -> str:
@@ -366,9 +369,36 @@ def check_loss_scale(ev: Evidence) -> Finding:
     return Finding("loss-scale", title, "ok", f"{d.verdict}: {d.message}", tuple(evidence))
 
 
+def check_fp8_casts(ev: Evidence) -> Finding:
+    title = "Which fp8 casts lose their tensor?"
+    if ev.recipe.fp8 is None:
+        return Finding("fp8-casts", title, "ok", "this recipe computes nothing in fp8")
+    if ev.fp8 is None:
+        return Finding("fp8-casts", title, "skipped", ev.errors.get("fp8", "not measured"))
+    if not ev.fp8:
+        return Finding("fp8-casts", title, "warn", "no layer of this model computes in fp8: it trains as bf16-mixed",
+                       fix="see MixedPrecision(...).describe() after prepare for the rules that kept each layer")
+    bad = worst(ev.fp8, 6)
+    evidence = tuple(c.describe() for c in bad)
+    w = bad[0]
+    fix = (f"use current scaling (fp8-current) with e5m2 gradients (format 'hybrid'), or keep {w.layer} in bf16: "
+           f"MixedPrecision(..., fp8={{'exclude': [{w.layer!r}]}})")
+    saturated = [c for c in ev.fp8 if c.saturated]
+    if not w.sqnr_db >= ALARM_DB:
+        return Finding("fp8-casts", title, "alarm", f"{w.layer}'s {w.role} cast keeps almost nothing: SQNR "
+                       f"{w.sqnr_db:.1f} dB, {_pct(w.zero)} of its values flushed to 0", evidence, fix, w.layer,
+                       cause="fp8-cast-loss")
+    if w.sqnr_db < WARN_DB or saturated:
+        what = (f"{saturated[0].layer}'s {saturated[0].role} saturates ({_pct(saturated[0].saturation)} of values)"
+                if saturated else f"{w.layer}'s {w.role} cast has an SQNR of {w.sqnr_db:.1f} dB (< {WARN_DB:g})")
+        return Finding("fp8-casts", title, "warn", what, evidence, fix, w.layer, cause="fp8-cast-loss")
+    return Finding("fp8-casts", title, "ok", f"every fp8 cast keeps at least {w.sqnr_db:.1f} dB SQNR, none saturates "
+                   f"({len(ev.fp8)} casts in {len({c.layer for c in ev.fp8})} layers)", evidence)
+
+
 CHECKLIST = (check_recipe_step, check_fp32, check_loss_fp32, check_unscale_clip, check_math_domain,
              check_norm_variance, check_bf16, check_activation_range, check_grad_underflow,
-             check_update_vanishing, check_loss_scale)
+             check_update_vanishing, check_loss_scale, check_fp8_casts)
 
 
 def run_checklist(ev: Evidence) -> list[Finding]:

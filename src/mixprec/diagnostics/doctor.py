@@ -27,6 +27,7 @@ from mixprec.diagnostics.checks import Evidence, NormStat, run_checklist
 from mixprec.diagnostics.doctor_report import DoctorReport
 from mixprec.diagnostics.doctor_runs import build, run_steps
 from mixprec.diagnostics.probes.activations import probe_activation_range
+from mixprec.diagnostics.probes.fp8 import probe_fp8_casts
 from mixprec.diagnostics.probes.gradients import probe_grad_underflow
 from mixprec.diagnostics.probes.updates import probe_update_vanishing
 from mixprec.islands import is_norm, looks_like_norm
@@ -91,6 +92,14 @@ def _probe(ev: Evidence, task: Task, device: torch.device, seed: int, progress: 
         ev.norms = [NormStat(n, t, v, n in sixteen) for n, (t, v) in norms32.items()]
     except Exception as e:
         ev.errors["activations"] = f"{type(e).__name__}: {e}"
+    if ev.recipe.fp8 is not None:
+        progress(f"probing the fp8 casts ({ev.recipe.name} forward and backward)")
+        try:
+            model_f, mp_f = build(task, ev.recipe.name, device, seed)
+            ev.fp8 = probe_fp8_casts(model_f, lambda: task.loss_fn(task.run_forward(model_f, inputs), targets),
+                                     autocast=mp_f.autocast)
+        except Exception as e:
+            ev.errors["fp8"] = f"{type(e).__name__}: {e}"
 
 
 def doctor(

@@ -28,6 +28,7 @@ from torch import nn
 
 from mixprec.diagnostics._trace import ModuleCall, Record, TensorRange, Tracer
 from mixprec.diagnostics.events import NonFiniteError, NonFiniteEvent, NonFiniteWarning
+from mixprec.diagnostics.fp8_watch import Fp8Saturation, Fp8SaturationWarning, SaturationWatch
 
 Mode = Literal["raise", "warn", "record"]
 _MODES = ("raise", "warn", "record")
@@ -139,6 +140,7 @@ class NanGuard:
         events: what the checks found, oldest first (one per checked pass at most).
         first: the first event, or None.
         checks: how many passes were checked.
+        fp8_saturations: fp8 layers whose casts saturated (``diagnostics.fp8_watch``; fp8 models only).
     """
 
     max_events = 1000
@@ -165,6 +167,8 @@ class NanGuard:
         self.events: list[NonFiniteEvent] = []
         self.checks = 0
         self._warned: set[tuple] = set()
+        self.fp8_saturations: list[Fp8Saturation] = []
+        self._fp8 = SaturationWatch.for_model(model)
         self._tracer = Tracer(
             model, ops=ops, backward=backward, locate_ops=locate,
             on_forward_end=self._forward_end, on_backward_start=self._backward_start,
@@ -197,11 +201,15 @@ class NanGuard:
     def attach(self) -> "NanGuard":
         """Hook the model (ops inside its forward are watched while it runs)."""
         self._tracer.attach()
+        if self._fp8 is not None:
+            self._fp8.attach()
         return self
 
     def detach(self) -> None:
         """Remove every hook; the model is as it was."""
         self._tracer.detach()
+        if self._fp8 is not None:
+            self._fp8.detach()
 
     def __enter__(self) -> "NanGuard":
         self.attach()
@@ -226,6 +234,8 @@ class NanGuard:
 
     def check(self) -> list[NonFiniteEvent]:
         """Evaluate what was recorded since the last check (one host sync); returns new events."""
+        if self._fp8 is not None:
+            self._check_fp8()
         records, ranges = self._tracer.take()
         if not records:
             return []
@@ -293,6 +303,14 @@ class NanGuard:
             self._warned.add(key)
             warnings.warn(ev.describe(), NonFiniteWarning, stacklevel=2)
 
+    def _check_fp8(self) -> None:
+        for sat in self._fp8.take(self._tracer.forward_calls):  # type: ignore[union-attr]
+            if len(self.fp8_saturations) < self.max_events:
+                self.fp8_saturations.append(sat)
+            if self.mode != "record" and (sat.layer, sat.role) not in self._warned:
+                self._warned.add((sat.layer, sat.role))
+                warnings.warn(sat.describe(), Fp8SaturationWarning, stacklevel=3)
+
     def _forward_end(self) -> None:
         self.check()
 
@@ -303,9 +321,10 @@ class NanGuard:
         self.check()
 
     def summary(self) -> str:
+        fp8 = "".join(f"\n{s.describe()}" for s in self.fp8_saturations[:5])
         if not self.events:
-            return f"nan_guard: no non-finite values in {self.checks} checked pass(es)"
-        return "\n\n".join(e.describe() for e in self.events[:5])
+            return f"nan_guard: no non-finite values in {self.checks} checked pass(es)" + fp8
+        return "\n\n".join(e.describe() for e in self.events[:5]) + fp8
 
 
 def nan_guard(model: nn.Module, mode: Mode = "raise", **options: Any) -> NanGuard:

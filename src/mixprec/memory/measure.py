@@ -8,7 +8,8 @@ so views and ties count once):
 - gradients: each parameter's ``.grad`` as backward leaves it (a post-accumulate-grad hook).
 - activations (+ autocast weight copies): every storage autograd saved for backward during the
   forward and the loss (a saved-tensors hook), minus parameters and masters. Autocast's 16-bit
-  weight copies are saved tensors too; they are told apart by matching a parameter's shape (or its transpose).
+  weight copies are saved tensors too; they are told apart by matching a parameter's shape (or its transpose),
+  and so are the fp8 weight copies an fp8 recipe's linears save (1 B each).
 - step-time fp32: what the fp32 masters' gradients and rebuilt values hold when the optimizer
   steps (an optimizer pre-step hook; a step that runs a bucket at a time calls it once per bucket,
   and the most any call saw is reported: gradients are freed bucket by bucket as they are used).
@@ -34,6 +35,7 @@ from mixprec.tasks import Task, to_device
 from mixprec.training import MixedPrecision
 
 _MATMUL = (nn.Linear, nn.Bilinear, nn.modules.conv._ConvNd)
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def make_optimizer(name: str, params: Iterable[nn.Parameter], device: torch.device) -> torch.optim.Optimizer:
@@ -76,7 +78,14 @@ def count_params(model: nn.Module, recipe: Recipe) -> ParamCounts:
                 w = getattr(m, name, None)
                 if isinstance(w, nn.Parameter):
                     matmul[id(w)] = w.numel()
-    return ParamCounts(sum(p.numel() for p in params.values()), kept, sum(matmul.values()), frozen, frozen_kept, largest)
+    fp8 = None
+    if recipe.fp8 is not None:  # the fp8 linears' weights are copied to fp8, 1 B each
+        from mixprec.fp8 import decide
+
+        linears = dict(model.named_modules())
+        fp8 = sum(linears[d.name].weight.numel() for d in decide(model, recipe.fp8) if d.fp8)
+    return ParamCounts(sum(p.numel() for p in params.values()), kept, sum(matmul.values()), frozen, frozen_kept, largest,
+                       fp8)
 
 
 @dataclasses.dataclass
@@ -142,7 +151,8 @@ def _measure_step(task: Task, recipe: str | Recipe, optimizer: str, dev: torch.d
     def pack(t: torch.Tensor) -> torch.Tensor:
         st = t.untyped_storage()
         if st.data_ptr() not in persistent:
-            is_copy = rec.autocast and not rec.stores_16bit and tuple(t.shape) in shapes and t.dtype == rec.compute_dtype
+            is_copy = rec.autocast and not rec.stores_16bit and tuple(t.shape) in shapes and (
+                t.dtype == rec.compute_dtype or (rec.fp8 is not None and t.dtype in _FP8))  # an fp8 linear's copy
             saved[st.data_ptr()] = (st.nbytes(), is_copy or saved.get(st.data_ptr(), (0, False))[1])
         return t
 

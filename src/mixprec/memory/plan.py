@@ -16,7 +16,7 @@ When each component is alive (what ``peak`` assumes):
 
 - persistent: weights, masters, optimizer state.
 - forward/backward: + gradients, + autocast's 16-bit weight copies (mixed recipes: saved for
-  backward), + activations saved for backward, + the logits' gradient that backward starts with
+  backward; an fp8 recipe's fp8 linears save an fp8 copy instead, 1 B/param), + activations saved for backward, + the logits' gradient that backward starts with
   (tokens x vocab x 4 B, given a shape). All gradients beside all activations overestimates
   (backward frees activations as gradients arrive); other transients of backward are left out:
   measured CPU peaks of the built-in model are 0.86-1.02 of the plan (tests/memory).
@@ -81,6 +81,8 @@ class StorageFacts:
         step_temp_bytes, bucket_numel: the master-weight step works on buckets of up to
             ``bucket_numel`` parameters and allocates ``step_temp_bytes`` per element of one
             bucket on top of the step-time fp32 memory (noticeable only for small models).
+        fp8: an fp8 recipe: the weights of its fp8 linears are copied to fp8 (1 B) for the step,
+            not to the compute dtype (``ParamCounts.fp8_weights`` says how many).
     """
 
     name: str
@@ -95,6 +97,7 @@ class StorageFacts:
     prob_bytes: int | None = None
     step_temp_bytes: int = 0
     bucket_numel: int = 0
+    fp8: bool = False
 
     @property
     def stores_16bit(self) -> bool:
@@ -116,6 +119,8 @@ class ParamCounts:
         largest: elements of the largest trainable tensor a 16-bit storage recipe stores in 16
             bits (0: unknown). The master-weight step works on buckets of up to 2**24 elements,
             but a tensor larger than that (a 32000 x 4096 embedding) is a bucket of its own.
+        fp8_weights: of the matmul weights, those an fp8 recipe computes in fp8 (``mixprec.fp8``'s
+            rules); None means all of them.
     """
 
     total: int
@@ -124,6 +129,7 @@ class ParamCounts:
     frozen: int = 0
     frozen_fp32_kept: int = 0
     largest: int = 0
+    fp8_weights: int | None = None
 
     def __post_init__(self) -> None:
         if self.total < 0 or not 0 <= self.fp32_kept <= self.total:
@@ -178,7 +184,9 @@ def activation_bytes(shape: TransformerShape, facts: StorageFacts) -> int:
       + eager: heads * seq * t * c (softmax probabilities; 4 + c under CUDA autocast, see
         ``StorageFacts.prob_bytes``); flash: heads * t * 4 (log-sum-exp).
     Plus the head: final norm input t*h*r, head input t*h*c, fp32 log-probabilities t*vocab*4,
-    token ids and targets t*16. With c=2, r=2 and dropout this is Korthikanti et al. (2022)'s
+    token ids and targets t*16. fp8 recipes: the fp8 linears save their inputs in fp8, so the 7 h-wide
+    linear inputs of a layer (qkv, proj, MLP in and out) take 1 byte, not c, except the model's first
+    linear (block 0's qkv), which the default rules keep in bf16 (the head is the last one). With c=2, r=2 and dropout this is Korthikanti et al. (2022)'s
     34*s*b*h + 5*a*s**2*b; mixprec recipes keep the residual stream fp32 (r=4) and there is no dropout.
     """
     t, h, c, r = shape.batch * shape.seq, shape.d_model, facts.compute_bytes, facts.norm_bytes
@@ -186,7 +194,8 @@ def activation_bytes(shape: TransformerShape, facts: StorageFacts) -> int:
     attn = shape.heads * shape.seq * t * probs if shape.attention == "eager" else shape.heads * t * 4
     per_layer = t * h * (14 * c + 2 * r) + 16 * t + attn
     head = t * h * (r + c) + t * shape.vocab * 4 + 16 * t + 8 * t
-    return shape.layers * per_layer + head
+    fp8_saving = (c - 1) * t * h * (7 * shape.layers - 1) if facts.fp8 else 0
+    return shape.layers * per_layer + head - fp8_saving
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,6 +265,7 @@ def plan(
     # the largest bucket of the master-weight step (a tensor larger than a bucket is one alone)
     bucket = min(t16, max(facts.bucket_numel, counts.largest)) if facts.bucket_numel else t16
     accumulators = t16 * 4 if accumulate > 1 else 0
+    fp8w = (matmul if counts.fp8_weights is None else counts.fp8_weights) if facts.fp8 else 0  # 1 B copies
     defers = facts.defers_grads and accumulate == 1  # accumulated gradients are fp32 already
     b = {
         "weights": n16 * facts.param_bytes + n32 * 4,
@@ -263,7 +273,7 @@ def plan(
         "optimizer state": counts.trainable * optimizer_state_bytes(optimizer),
         "gradients": t16 * facts.param_bytes + t32 * 4,
         "fp32 grad accumulators": accumulators,
-        "autocast weight copies": matmul * facts.compute_bytes if facts.autocast and not stores_16bit else 0,
+        "autocast weight copies": (matmul - fp8w) * facts.compute_bytes + fp8w if facts.autocast and not stores_16bit else 0,
         "activations": activation_bytes(shape, facts) if shape is not None else 0,
         # the fp32 gradients of every 16-bit parameter (of one bucket, when they are made bucket
         # by bucket) and the rebuilt values of one bucket
@@ -283,6 +293,11 @@ def plan(
     notes = []
     if counts.matmul_weights is None and facts.autocast and not stores_16bit:
         notes.append("autocast copies assume every parameter is a matmul weight (an upper bound)")
+    if facts.fp8 and counts.fp8_weights is None:
+        notes.append("fp8 copies assume every matmul weight computes in fp8 (pass --model to apply the rules)")
+    if facts.fp8:
+        notes.append("fp8: the casts' fp32 temporaries (and, emulated on CPU, each GEMM's fp32 operands) are "
+                     "transients left out of the plan")
     if stores_16bit and counts.fp32_kept == 0 and counts.matmul_weights is None:  # a bare count, not a model
         notes.append("every parameter counted as stored in 16 bits (pass a model to apply the fp32 rule)")
     if t16 > facts.bucket_numel > 0 and not counts.largest and facts.step_value_bytes + facts.step_temp_bytes:
@@ -318,6 +333,7 @@ def facts_from_recipe(recipe: Any, device_type: str = "cpu") -> StorageFacts:
         step_temp_bytes=strategy.temp_bytes if strategy else 0,
         bucket_numel=BUCKET_NUMEL if strategy else 0,
         autocast=bool(recipe.autocast),
+        fp8=getattr(recipe, "fp8", None) is not None,
         norm_bytes=4,
         prob_bytes=4 + compute_bytes if device_type == "cuda" and recipe.autocast and compute_bytes < 4 else None,
     )

@@ -31,6 +31,7 @@ from mixprec.diagnostics.probes._common import (
     DEFAULT_FORMATS, GradSnapshot, check_args, formats, pow2_label, rounding_thresholds, run_backward,
 )
 from mixprec.formats import get_format
+from mixprec.fp8 import CastObserver, CastStats, preserve_scaling_state
 
 HIST_LO, HIST_HI = -160, 130  # floor(log2|g|) bins: fp32 spans 2^-149 .. 2^128
 _CHUNK = 1 << 22
@@ -186,6 +187,9 @@ class GradUnderflowReport:
         recommended_scale: the largest power of two that keeps the largest gradient
             ``headroom_bits`` below fp16's maximum (None when every gradient was 0).
         headroom_bits, formats, scales: what was asked.
+        fp8: for a model with fp8 layers (an fp8 recipe's), one ``mixprec.fp8.CastStats`` per fp8
+            layer and tensor (input, weight, grad_output): the fraction of values its cast flushed to
+            zero or saturated at its current scale, and the cast's SQNR.
     """
 
     params: list[GradStats]
@@ -195,6 +199,7 @@ class GradUnderflowReport:
     headroom_bits: int
     formats: tuple[str, ...]
     scales: tuple[float, ...]
+    fp8: list[CastStats] = dataclasses.field(default_factory=list)
 
     def get(self, name: str) -> GradStats:
         for s in (*self.params, *self.activations):
@@ -229,6 +234,7 @@ class GradUnderflowReport:
             "overall": self.overall.to_dict(self.formats, scales),
             "params": [p.to_dict(("f16",), scales) for p in self.params],
             "activations": [a.to_dict(("f16",), scales) for a in self.activations],
+            "fp8": [c.to_dict() for c in self.fp8],
         }
 
 
@@ -274,15 +280,19 @@ def probe_grad_underflow(
                 t.register_hook(functools.partial(on_grad, name))
 
     snap.clear()
+    casts = CastObserver(model)  # an fp8 model's casts, measured in the same backward (none otherwise)
     try:
+        casts.attach()
         if activations:
             for name, m in model.named_modules():
                 handles.append(m.register_forward_hook(functools.partial(on_forward, name)))
         try:
-            run_backward(closure, "probe_grad_underflow")
+            with preserve_scaling_state(model):
+                run_backward(closure, "probe_grad_underflow")
         finally:
             for h in handles:
                 h.remove()
+            casts.detach()
         pstats: list[GradStats] = []
         for name, p in params:
             if p.grad is not None:
@@ -302,4 +312,5 @@ def probe_grad_underflow(
     if overall.absmax > 0:
         k = math.floor(math.log2(f16.max / overall.absmax)) - headroom_bits
         rec = 2.0 ** min(max(k, lo), hi)  # within the measured range, so its landing can be read
-    return GradUnderflowReport(pstats, list(acts.values()), overall, rec, headroom_bits, grid.formats, grid.scales)
+    return GradUnderflowReport(pstats, list(acts.values()), overall, rec, headroom_bits, grid.formats, grid.scales,
+                               casts.read())

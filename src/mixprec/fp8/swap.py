@@ -1,0 +1,139 @@
+"""Which ``nn.Linear`` layers compute in fp8, the swap itself, and its undoing.
+
+The rules, in the order they are applied (the first that matches decides; ``Decision.reason`` says
+which):
+
+1. only ``nn.Linear`` itself: a subclass may not compute ``F.linear`` in its forward
+   (``MultiheadAttention``'s ``out_proj`` never calls it), so it stays as it is;
+2. a layer that is an fp32 island stays fp32 (``fp32_modules=``);
+3. a glob of ``Fp8Spec.exclude`` on the qualified name keeps it bf16;
+4. ``in_features`` and ``out_features`` must both be multiples of 16 (what fp8 GEMMs need);
+5. with ``Fp8Spec.skip_first_last`` (the default), the model's first and last ``nn.Linear`` (in
+   ``model.named_modules()`` order) and an LM head (a linear named ``lm_head``, or whose weight is
+   an embedding's) stay bf16: torchao's advice, as the first and last layers are the most sensitive;
+6. the rest compute in fp8.
+
+The swap is in place: the module's class becomes ``Fp8Linear``; its parameters, hooks and
+state-dict keys stay (delayed scaling's state is in non-persistent buffers). ``remove_fp8`` turns
+every ``Fp8Linear`` back into the class it was.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixprec.fp8.linear import Fp8Config, Fp8Linear
+
+MULTIPLE = 16
+ISLAND = "an fp32 island"
+_BUFFERS = ("fp8_amax_history", "fp8_scale")
+_ATTRS = ("fp8_config", "fp8_name", "fp8_observer", "fp8_original_class")
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """One ``nn.Linear`` and what the rules made of it: ``fp8`` True, or the ``reason`` it stays."""
+
+    name: str
+    in_features: int
+    out_features: int
+    fp8: bool
+    reason: str
+
+    @property
+    def precision(self) -> str:
+        """What the layer computes in: fp8, fp32 (an island) or bf16 (the recipe's autocast)."""
+        return "fp8" if self.fp8 else "fp32" if self.reason == ISLAND else "bf16"
+
+
+def _embedding_weights(model: nn.Module) -> set[int]:
+    return {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+
+
+def decide(model: nn.Module, spec: Any) -> list[Decision]:
+    """Every ``nn.Linear`` of ``model`` (subclasses included) and the rule that decided it."""
+    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    plain = [n for n, m in linears if type(m) in (nn.Linear, Fp8Linear)]
+    ends = {plain[0]: "first nn.Linear", plain[-1]: "last nn.Linear"} if plain else {}
+    tied = _embedding_weights(model)
+    out = []
+    for name, m in linears:
+        fp8, reason = False, ""
+        if type(m) not in (nn.Linear, Fp8Linear):
+            reason = f"{type(m).__name__} is a subclass of nn.Linear: its forward may not be F.linear"
+        elif getattr(m, "_mixprec_island", None) is not None:
+            reason = ISLAND
+        elif any(fnmatch.fnmatchcase(name, pat) for pat in spec.exclude):
+            reason = f"excluded by {next(p for p in spec.exclude if fnmatch.fnmatchcase(name, p))!r}"
+        elif m.in_features % MULTIPLE or m.out_features % MULTIPLE:
+            reason = f"{m.in_features}x{m.out_features}: fp8 GEMMs need both dims multiples of {MULTIPLE}"
+        elif spec.skip_first_last and (name.rpartition(".")[2] == "lm_head" or id(m.weight) in tied):
+            reason = "the LM head (torchao keeps it in bf16)"
+        elif spec.skip_first_last and name in ends:
+            reason = f"the {ends[name]} (torchao keeps the first and last layers in bf16)"
+        else:
+            fp8 = True
+        out.append(Decision(name, m.in_features, m.out_features, fp8, reason))
+    return out
+
+
+def backend_for(spec: Any, device: torch.device) -> str:
+    """The GEMM backend ``spec.gemm`` means on ``device``: fp8 GEMMs where the device has them
+    (CUDA sm89+: Ada, Hopper and later), else the emulation. Raises when ``scaled_mm`` is asked of a
+    GPU without fp8 GEMMs."""
+    has_fp8 = device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(device) >= (8, 9)
+    if spec.gemm == "auto":
+        return "scaled_mm" if has_fp8 else "emulate"
+    if spec.gemm == "scaled_mm" and device.type == "cuda" and not has_fp8:
+        raise RuntimeError(f"fp8 gemm='scaled_mm' needs fp8 GEMMs (CUDA sm89+: Ada, Hopper or later); "
+                           f"{torch.cuda.get_device_name(device)} has none. Use gemm='emulate' (or 'auto').")
+    return spec.gemm
+
+
+def swap(model: nn.Module, spec: Any, device: torch.device) -> list[Decision]:
+    """Turn the eligible linears of ``model`` into ``Fp8Linear`` in place; returns every decision."""
+    decisions = decide(model, spec)
+    cfg = Fp8Config.from_spec(spec, backend_for(spec, device))
+    modules = dict(model.named_modules())
+    for d in decisions:
+        if d.fp8:
+            convert_(modules[d.name], cfg, d.name, spec.amax_history_len)
+    return decisions
+
+
+def convert_(m: nn.Linear, cfg: Fp8Config, name: str = "", history_len: int = 1024) -> Fp8Linear:
+    """Make one ``nn.Linear`` an ``Fp8Linear`` in place (its parameters untouched)."""
+    if type(m) is not Fp8Linear:
+        m.fp8_original_class = type(m)  # type: ignore[attr-defined]
+        m.__class__ = Fp8Linear
+    m.fp8_config, m.fp8_name, m.fp8_observer = cfg, name, None  # type: ignore[attr-defined]
+    for buf in _BUFFERS:
+        m._buffers.pop(buf, None)
+    if cfg.scaling == "delayed":  # TE starts from scale 1 and an empty history
+        w = m.weight
+        m.register_buffer("fp8_amax_history", torch.zeros(history_len, 3, device=w.device), persistent=False)
+        m.register_buffer("fp8_scale", torch.ones(3, device=w.device), persistent=False)
+    return m  # type: ignore[return-value]
+
+
+def fp8_layers(model: nn.Module) -> list[tuple[str, Fp8Linear]]:
+    """``(qualified name, layer)`` for every ``Fp8Linear`` in ``model``."""
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, Fp8Linear)]
+
+
+def remove_fp8(model: nn.Module) -> nn.Module:
+    """Undo the fp8 swap in place: every ``Fp8Linear`` becomes the class it was, with the same
+    parameters (never stored in fp8) and without the fp8 buffers. Returns ``model``."""
+    for _, m in fp8_layers(model):
+        original = m.__dict__.get("fp8_original_class", nn.Linear)
+        for buf in _BUFFERS:
+            m._buffers.pop(buf, None)
+        for attr in _ATTRS:
+            m.__dict__.pop(attr, None)
+        m.__class__ = original
+    return model
