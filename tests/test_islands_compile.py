@@ -142,3 +142,19 @@ def test_island_calls_an_instance_forward_the_module_already_had():
     assert calls == [torch.float32] and probe.seen == [(False, torch.float32)]
     remove_fp32_islands(probe)
     assert probe.forward is patched
+
+
+@pytest.mark.slow
+def test_a_storage_recipe_model_compiles_into_one_graph_outside_autocast_too():
+    from mixprec.bench.block import SHAPES, RefBlock, make_batches
+
+    shape = SHAPES["tiny"]
+    mp = MixedPrecision("bf16-true", "cpu")
+    torch.manual_seed(0)
+    model = mp.prepare(RefBlock(shape))
+    compiled = torch.compile(model, fullgraph=True)  # the autocast forward may not break the graph
+    x, _ = make_batches(shape, "cpu", count=1)[0]
+    with torch.no_grad():
+        want = model(x)  # eager, outside any autocast
+        got = compiled(x)
+    assert torch.equal(got, want) and got.dtype == torch.float32

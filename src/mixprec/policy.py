@@ -145,3 +145,26 @@ class InputCast:
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         return cast_floating(args, self.dtype), cast_floating(kwargs, self.dtype)
+
+
+class AutocastForward:
+    """A prepared 16-bit-storage model's instance ``forward``: outside any autocast region (an
+    evaluation loop, ``model.generate(...)``) it runs the forward under autocast to its compute
+    dtype, the computation its 16-bit weights are made for; inside one it changes nothing. (An
+    instance ``forward`` rather than a pre-hook: a context manager inside a function is what
+    ``torch.compile`` traces.)"""
+
+    def __init__(self, module: nn.Module, device_type: str, dtype: torch.dtype) -> None:
+        self.inner = module.__dict__.get("forward")  # an instance forward someone set before us
+        self.module, self.device_type, self.dtype = module, device_type, dtype
+
+    @property
+    def __wrapped__(self) -> Any:  # inspect.signature(model.forward) sees the model's own
+        return self.inner if self.inner is not None else type(self.module).forward.__get__(self.module)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        forward = self.__wrapped__
+        if torch.is_autocast_enabled(self.device_type):
+            return forward(*args, **kwargs)
+        with torch.autocast(self.device_type, dtype=self.dtype):
+            return forward(*args, **kwargs)

@@ -30,7 +30,7 @@ from torch import nn
 from mixprec.formats import short_name
 from mixprec.islands import FAMILIES, Rule, as_rules, family_matches, keep_fp32
 from mixprec.masters import MasterWeights, make_masters
-from mixprec.policy import InputCast, OutputCast
+from mixprec.policy import AutocastForward, InputCast, OutputCast
 from mixprec.recipes import Recipe, as_device, resolve_recipe
 from mixprec.scaling import GradScaler, NoOpScaler, StaticLossScaler
 from mixprec.step_io import (
@@ -184,6 +184,8 @@ class MixedPrecision:
             self.fp8 = Fp8Training.attach(model, self.fp8_spec, self.device, self.recipe.name)
         if self.masters is not None:
             self.masters.attach(model)
+            if self.recipe.autocast:  # 16-bit weights: eval loops and generate() run outside mp.autocast() too
+                model.forward = AutocastForward(model, self.device.type, self.policy.compute_dtype)  # type: ignore[method-assign]
         model._mixprec_recipe = self.recipe.name  # type: ignore[attr-defined]
         self._model_ref = weakref.ref(model)  # reset() clears its gradients
         if self.nan_guard:
@@ -433,6 +435,12 @@ class MixedPrecision:
             load_fp8_state(self.fp8, state.get("fp8"))
         self._steps = int(state.get("steps", 0))
         self._micro, self._loss_sum = 0, None
+
+    def fp32_state_dict(self, model: nn.Module) -> dict[str, Any]:
+        """``model.state_dict()`` in fp32: the masters' values in place of 16-bit weights (an export:
+        ``model.save_pretrained(dir, state_dict=mp.fp32_state_dict(model))``); for other recipes the
+        model's own. To resume exactly, save ``mp.state_dict()`` too."""
+        return model.state_dict() if self.masters is None else self.masters.fp32_state_dict()
 
     def describe(self) -> str:
         """A few lines saying what this object will do."""

@@ -403,6 +403,25 @@ class MasterWeights(_GradFolding):
         with torch.no_grad():
             return {s.name: self.master_value(s).clone() for s in self.slots}
 
+    def fp32_state_dict(self) -> dict[str, Any]:
+        """The model's ``state_dict()`` with each 16-bit parameter replaced by its master's fp32 value
+        (and frozen 16-bit parameters cast up): what the same model trained in fp32 would save, for
+        an export (``save_pretrained(dir, state_dict=...)``). Resuming training exactly needs
+        ``mp.state_dict()`` beside it (compensation buffers, remainders, generators)."""
+        model = self._check_model(None)
+        by_name = {s.name: s for s in self.slots}
+        frozen = {n for n, _ in self.frozen}
+        out: dict[str, Any] = {}
+        with torch.no_grad():
+            for key, value in model.state_dict().items():
+                slot = by_name.get(key)
+                if slot is not None:
+                    value = self.master_value(slot).detach().clone()
+                elif key in frozen and value.is_floating_point():
+                    value = value.to(torch.float32)
+                out[key] = value
+        return out
+
     def nbytes(self) -> dict[str, int]:
         """Bytes held now: 16-bit parameters, fp32 parameters, and the strategy's own state."""
         model = self._check_model(None)
