@@ -210,14 +210,26 @@ def test_an_infinity_passed_as_a_value_is_intentional_and_not_reported():
     assert g.events == []
 
 
+class MaskOut(nn.Module):  # the -inf reaches the model's output: it leaves the forward
+    def __init__(self):
+        super().__init__()
+        self.mask = MaskModule()
+
+    def forward(self, x):
+        return self.mask(x)
+
+
 def test_allow_list_covers_a_module_whose_output_is_minus_inf_on_purpose():
     x = torch.tensor([[1.0, -1.0, 2.0]])
-    with nan_guard(UsesMask(), "record", ops=False) as g:
+    with nan_guard(MaskOut(), "record", ops=False) as g:
         g.model(x)
     assert g.first.module == "mask"  # module-level view: finite in, -inf out
-    with nan_guard(UsesMask(), "raise", ops=False, allow=["mask:"]) as g:
+    with nan_guard(MaskOut(), "raise", ops=False, allow=["mask:"]) as g:
         g.model(x)
     assert g.events == []
+    with nan_guard(UsesMask(), "raise", ops=False) as g:  # softmax makes it finite again: contained
+        g.model(x)
+    assert g.events == [] and g.contained[0].module == "mask"
 
 
 def test_allowed_infinity_that_turns_into_nan_later_is_still_reported():
@@ -384,3 +396,25 @@ def test_an_infinity_passed_as_a_number_is_still_asked_for():
         out = net(torch.ones(2, 4))
         out.masked_fill(torch.ones(2, 4, dtype=torch.bool).triu(1), float("-inf")).softmax(-1)
     assert g.events == []
+
+
+class MaskedLog(nn.Module):
+    """T5's relative-position buckets: log of a tensor holding 0, the -inf masked out by torch.where."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        pos = torch.arange(4.0)
+        big = torch.log(pos / 2)  # -inf at 0
+        bucket = torch.where(pos < 2, pos, big).clamp_min(0)  # the -inf never leaves
+        return self.lin(x) + bucket
+
+
+def test_a_non_finite_value_dropped_inside_the_forward_is_contained_not_raised():
+    net = MaskedLog()
+    with nan_guard(net, "raise") as g:
+        F.mse_loss(net(torch.ones(2, 4)), torch.zeros(2, 4)).backward()
+    assert g.events == [] and len(g.contained) == 1
+    assert (g.contained[0].op, g.contained[0].kind) == ("log", "inf")

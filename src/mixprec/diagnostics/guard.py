@@ -122,6 +122,8 @@ def find_producer(
         if produced:
             if any(a.matches(rec.call, rec.op, kind) for a in allow):
                 intentional = True
+                if rec.call is not None:  # the modules around it carry the allowed value, they do not make it
+                    tainted.update(id(c) for c in rec.call.ancestors())
                 continue
             return rec, kind, "constant" if kind == "nan" and rec.scalar_nan else "producer"
         if rec.scalar_inf and not (t_nan or t_inf):
@@ -133,12 +135,26 @@ def find_producer(
     return None
 
 
+def _escapes(records: Sequence[Record], ranges: Any) -> bool:
+    """Whether a non-finite value reached what leaves the forward: the model's output (its root
+    call's record) or an op run after it (the loss). True when the records hold neither (a check
+    made mid-forward: nothing is known to be contained)."""
+    bad = _nonfinite(ranges)
+    final = [r for r in records if r.call is None or (r.op is None and r.node is None and r.call.parent is None)]
+    if not final:
+        return True
+    return any(any(f) for r in final for f in [_flags(bad, r.outputs)])
+
+
 class NanGuard:
     """Watches a model for NaN/Inf, forward and backward; ``nan_guard`` documents the arguments.
 
     Attributes:
         events: what the checks found, oldest first (one per checked pass at most).
         first: the first event, or None.
+        contained: forward NaN/Inf that never reached the model's output or the loss (made and
+            dropped inside, as T5's relative-position buckets take log(0) and mask it out):
+            recorded, never raised or warned about.
         checks: how many passes were checked.
         fp8_saturations: fp8 layers whose casts saturated (``diagnostics.fp8_watch``; fp8 models only).
     """
@@ -165,6 +181,7 @@ class NanGuard:
         self.allow = tuple(AllowRule.parse(a) for a in allow)
         self.scaler = scaler
         self.events: list[NonFiniteEvent] = []
+        self.contained: list[NonFiniteEvent] = []  # forward non-finite values that never left the forward
         self.checks = 0
         self._warned: set[tuple] = set()
         self.fp8_saturations: list[Fp8Saturation] = []
@@ -246,8 +263,18 @@ class NanGuard:
         for phase in ("forward", "backward"):
             recs = [r for r in records if r.phase == phase]
             found = find_producer(recs, ranges, self.allow) if recs else None
-            if found is not None:
-                new.append(self._event(*found, ranges))
+            if found is None:
+                continue
+            ev = self._event(*found, ranges)
+            if phase == "forward" and not _escapes(recs, ranges):
+                # made and dropped inside the forward (T5's log of a 0 relative position, masked
+                # out by torch.where; a value clamped or nan_to_num-ed back): the model's output
+                # and the loss are finite. Kept in ``contained``, not reported; if it matters, the
+                # gradients show it in backward.
+                if len(self.contained) < self.max_events:
+                    self.contained.append(ev)
+                continue
+            new.append(ev)
         self.checks += 1
         for ev in new:
             self._report(ev)
