@@ -28,6 +28,8 @@ CLI_CASES = [
     (["memory", "--params", "0"], 2, "must be >= 1"),
     (["memory", "--params", "-7B"], 2, "must be >= 1"),
     (["memory", "--params", "1e400"], 2, "no model is that large"),
+    # lint: a path with no Python file checked nothing, and says so
+    (["lint", "/dev/null"], 2, "no Python file to check there"),
     # bench: a recipe with no hand-written torch.amp twin
     (["bench", "--overhead", "--recipes", "bf16-true", "--shape", "tiny"], 2, "has no hand-written twin"),
 ]
@@ -205,3 +207,12 @@ def test_load_state_dict_with_strict_false_still_refuses_what_is_not_a_state_dic
     mp, _, _ = _mp_and_model("fp16-mixed")
     with pytest.raises(ValueError, match="not a MixedPrecision state dict"):
         mp.load_state_dict({"hello": 1}, strict=False)
+
+
+def test_lint_of_an_empty_directory_says_nothing_was_checked(tmp_path, capsys):
+    assert main(["lint", str(tmp_path)]) == 2
+    assert "nothing was checked" in capsys.readouterr().err
+    (tmp_path / "a.py").write_text("from torch.cuda.amp import GradScaler\n")
+    (tmp_path / "b.py").write_text("x = 1\n")
+    assert main(["lint", str(tmp_path)]) == 1
+    assert "1 problem in 1 file (2 checked)" in capsys.readouterr().out

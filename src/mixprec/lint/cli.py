@@ -55,7 +55,9 @@ def _explain(code: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from mixprec.lint.config import ConfigError, load_config
-    from mixprec.lint.engine import lint_paths
+    from pathlib import Path
+
+    from mixprec.lint.engine import iter_python_files, lint_paths
     from mixprec.lint.rules import UnknownCodeError, enabled_codes, expand_codes
 
     if args.explain:
@@ -72,6 +74,8 @@ def run(args: argparse.Namespace) -> int:
             codes = enabled_codes(config.select, config.ignore, origin)
         codes -= expand_codes(args.ignore, "--ignore")
         result = lint_paths(args.paths, codes, fix=args.fix, exclude=config.exclude)
+        # a named path that holds no Python file checked nothing: say so (a typo'd directory, /dev/null)
+        empty = [p for p in args.paths if next(iter(iter_python_files([Path(p)], config.exclude)), None) is None]
     except (ConfigError, UnknownCodeError) as error:
         print(f"mixprec lint: {error}", file=sys.stderr)
         return 2
@@ -79,10 +83,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"mixprec lint: no such file or directory: {error}", file=sys.stderr)
         return 2
 
+    for p in empty:
+        print(f"mixprec lint: {p}: no Python file to check there (nothing was checked)", file=sys.stderr)
+    if empty and not result.files:
+        return 2
     try:
         code = _report(args, result)
         sys.stdout.flush()  # a broken pipe shows here, inside the handler, not at interpreter exit
-        return code
+        return 2 if empty and code == 0 else code
     except BrokenPipeError:  # the reader went away (``mixprec lint . | head``): stop quietly
         _silence_stdout()
         return 1 if result.findings else 0
@@ -113,7 +121,8 @@ def _report(args: argparse.Namespace, result) -> int:
     if n:
         fixable = sum(f.fixable for f in result.findings)
         hint = f" ({fixable} fixable with --fix)" if fixable and not args.fix else ""
-        print(f"{n} problem{'s' if n != 1 else ''} in {files} file{'s' if files != 1 else ''}{hint}")
+        checked = f" ({result.files} checked)" if result.files != files else ""
+        print(f"{n} problem{'s' if n != 1 else ''} in {files} file{'s' if files != 1 else ''}{checked}{hint}")
         return 1
     print(f"no problems in {result.files} file{'s' if result.files != 1 else ''}")
     return 0

@@ -24,6 +24,7 @@ _CANONICAL = {
     "torch.cpu.amp.autocast_mode.autocast": "torch.cpu.amp.autocast",
     "torch.cpu.amp.grad_scaler.GradScaler": "torch.cpu.amp.GradScaler",
     "mixprec.scaling.GradScaler": "mixprec.GradScaler",
+    "mixprec.scaling.scaler.GradScaler": "mixprec.GradScaler",
     "torch.half": "torch.float16",
     "torch.float": "torch.float32",
     "torch.double": "torch.float64",
