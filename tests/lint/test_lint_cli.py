@@ -207,7 +207,7 @@ def test_unreadable_and_null_byte_files_are_reported_not_crashed_on(project, cap
     out = capsys.readouterr().out
     assert "latin.py:1:1: MP000 cannot read the file" in out
     assert "nul.py:1:1: MP000 syntax error" in out
-    assert out.splitlines()[-1] == "2 problems in 2 files"
+    assert out.splitlines()[-1] == "2 problems in 2 files (3 checked)"
 
 
 @pytest.mark.parametrize("fmt", ["text", "json"])
