@@ -64,7 +64,13 @@ def measure_matmul_peak(key: str, device: torch.device, n: int | None = None, re
     faster layout's median over ``rounds`` timings of ``repeat`` back-to-back products.
     """
     dtype = torch.float32 if key == "tf32" else get_format(key).dtype
-    n = n or PEAK_SIZES.get(device.type, PEAK_SIZES["cpu"]).get(key, 1024)
+    if n is None:
+        n = PEAK_SIZES.get(device.type, PEAK_SIZES["cpu"]).get(key, 1024)
+        if device.type == "cpu" and key == "bf16":
+            from mixprec.recipes import cpu_bf16_support
+
+            if cpu_bf16_support()[0]:  # AMX / AVX512-BF16: a real peak needs the larger product (512 reads ~10% low)
+                n = 1024
     g = torch.Generator().manual_seed(0)
     a = torch.randn(n, n, generator=g).to(device=device, dtype=dtype)
     b = torch.randn(n, n, generator=g).to(device=device, dtype=dtype)
