@@ -63,7 +63,7 @@ def _as_optimizers(optimizers: Optimizers) -> list[torch.optim.Optimizer]:
     return opts
 
 
-_MP_KEYS = {"recipe", "scaler", "steps", "masters", "fp8"}
+_MP_KEYS = {"recipe", "scaler", "steps", "masters", "fp8", "parallel"}
 
 
 def _check_mp_state(state: Any) -> None:

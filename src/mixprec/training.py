@@ -99,6 +99,7 @@ class MixedPrecision:
         self._false: torch.Tensor | None = None
         self.masters: MasterWeights | None = None
         self._model_ref: Any = None  # a weakref to the last prepared model
+        self._dist: Any = None  # mixprec.distributed.runtime.Parallel after prepare(parallel=...), else None
         if self.recipe.stores_16bit:
             rule = self.recipe.fp32_params if fp32_params is None else tuple(as_rules(fp32_params))
             self.masters = make_masters(self.recipe.master, self.policy.param_dtype, rule)
@@ -139,12 +140,20 @@ class MixedPrecision:
 
     # ------------------------------------------------------------------ model
 
-    def prepare(self, model: nn.Module) -> nn.Module:
+    def prepare(self, model: nn.Module, parallel: Any = None) -> nn.Module:
         """Apply the recipe to ``model`` in place and return it: fp32 islands and the output cast.
 
-        Raises ValueError when the model's parameters are not where/what the recipe expects (on
-        another device, or already cast to 16 bits with ``model.half()``).
+        ``parallel``: None (one process), ``"ddp"``, ``"fsdp"`` or a ``mixprec.distributed.DDP`` /
+        ``FSDP``: returns the model wrapped in DDP or FSDP2, gradients reduced in fp32 (call it on
+        every rank; docs/distributed.md). Raises ValueError when the model's parameters are not
+        where/what the recipe expects (on another device, or cast to 16 bits with ``model.half()``).
         """
+        if parallel is not None:
+            from mixprec.distributed.prepare import prepare_parallel  # a capability: loaded only when asked for
+            return prepare_parallel(self, model, parallel)
+        return self._prepare(model)
+
+    def _prepare(self, model: nn.Module, *, check_params: bool = True) -> nn.Module:
         if not isinstance(model, nn.Module):
             raise TypeError(f"prepare() expects an nn.Module, got {type(model).__name__}")
         if getattr(model, "_mixprec_recipe", None) is not None:
@@ -154,7 +163,8 @@ class MixedPrecision:
                 f"model was already prepared for recipe {model._mixprec_recipe!r}; "  # type: ignore[attr-defined]
                 f"build a fresh model to prepare it for {self.recipe.name!r}"
             )
-        self._check_params(model)
+        if check_params:
+            self._check_params(model)
         if self.recipe.autocast:
             keep_fp32(model, [*self.recipe.fp32_modules, *self.fp32_modules], self.device.type)
             model.register_forward_hook(OutputCast(self.policy.output_dtype))
@@ -186,6 +196,8 @@ class MixedPrecision:
 
     def named_parameters(self, model: nn.Module) -> list[tuple[str, nn.Parameter]]:
         """``(name, parameter)`` pairs for optimizer param groups (e.g. no weight decay on biases)."""
+        if self._dist is not None:
+            model = self._dist.local_module(model)
         if self.masters is None:
             return list(model.named_parameters())
         return list(self.masters.named_parameters(model))
@@ -270,7 +282,11 @@ class MixedPrecision:
         loss32 = self._check_loss(loss)
         try:
             micro = loss32 / self.accumulate if self.accumulate > 1 else loss32
-            self.scaler.scale(micro).backward(retain_graph=retain_graph)
+            if self._dist is None:
+                self.scaler.scale(micro).backward(retain_graph=retain_graph)
+            else:  # gradients are communicated at the boundary only
+                self._dist.backward(self.scaler.scale(micro), boundary=self._micro + 1 >= self.accumulate,
+                                    accumulating=self.accumulate > 1, retain_graph=retain_graph)
             detached = micro.detach()
             self._loss_sum = detached if self._loss_sum is None else self._loss_sum + detached
             self._micro += 1
@@ -329,7 +345,11 @@ class MixedPrecision:
             return
         # nothing reads the gradients before the step but the scaler's inf check and the clip,
         # which can read them 16-bit: a bucketed step may keep them so until each bucket's turn
-        self.masters.after_backward(_as_optimizers(optimizers), boundary=boundary, defer=self._scaler_defers())
+        # (not with parallel=: the fp32 master gradients are averaged over the ranks at the boundary)
+        self.masters.after_backward(_as_optimizers(optimizers), boundary=boundary,
+                                    defer=self._scaler_defers() and self._dist is None)
+        if self._dist is not None and boundary:
+            self._dist.reduce_master_grads(self.masters.named_parameters())
 
     def unscale_(self, optimizers: Optimizers) -> None:
         """At the boundary, after ``after_backward``: unscale every optimizer's gradients, check
@@ -343,7 +363,8 @@ class MixedPrecision:
                                               exact=self.scaler.scale_is_power_of_two)
             else:
                 self.scaler.unscale_(opt)
-        self.scaler.share_skip_decision(opts)
+        # one skip decision for every optimizer, and with parallel= for every rank (a MAX all-reduce)
+        self.scaler.share_skip_decision(opts, across=None if self._dist is None else self._dist.all_reduce_max)
 
     def clip_grad_norm_(self, optimizers: Optimizers, max_norm: float | None, norm_type: float = 2.0, *,
                         parameters: Iterable[torch.Tensor] | None = None) -> torch.Tensor | None:
@@ -402,6 +423,8 @@ class MixedPrecision:
             params = self.masters.optimizer_view(params)
             if self.masters.deferred:  # ... or still on the model, until their bucket steps
                 return self.masters.deferred_grad_norm_(params, max_grad_norm, norm_type)
+        if self._dist is not None:  # the norm over every rank's gradients (FSDP2's are shards)
+            return self._dist.clip_grad_norm_(params, max_grad_norm, norm_type)
         if max_grad_norm is not None:
             return nn.utils.clip_grad_norm_(params, max_grad_norm, norm_type=norm_type)
         grads = [p.grad for p in params if p.grad is not None]
@@ -424,6 +447,8 @@ class MixedPrecision:
         state = {"recipe": self.recipe.name, "scaler": self.scaler.state_dict(), "steps": self._steps}
         if self.masters is not None:
             state["masters"] = self.masters.state_dict()
+        if self._dist is not None:
+            state["parallel"] = self._dist.state()
         return state
 
     def load_state_dict(self, state: dict[str, Any], strict: bool = True) -> None:
@@ -454,6 +479,8 @@ class MixedPrecision:
         ]
         if self.masters is not None:
             lines.insert(3, f"masters  {self.masters.describe()}")
+        if self._dist is not None:
+            lines.append(f"parallel {self._dist.describe()}")
         return "\n".join(lines)
 
     def __repr__(self) -> str:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import inspect
 import warnings
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -150,23 +151,31 @@ class _OptimizerStages:
             _check_and_unscale_(grouped, state["found_inf_per_device"], zero, torch.ones_like(zero))
         return self._inv_scale()
 
-    def share_skip_decision(self, optimizers: list[torch.optim.Optimizer]) -> None:
+    def share_skip_decision(self, optimizers: list[torch.optim.Optimizer],
+                            across: Callable[[torch.Tensor], None] | None = None) -> None:
         """Make several optimizers skip together: if any one's gradients hold inf/NaN, all skip.
 
         torch lets each optimizer decide alone, so an overflow in one model part still lets the
         others step (and a clip over all parameters spreads the inf into their grads first). Call
         after ``unscale_`` of each optimizer, before ``step``. No host sync.
+
+        ``across``: makes the combined flag the same on every rank, in place (a MAX all-reduce,
+        ``mixprec.distributed``); called on every step, also with one optimizer and no gradients,
+        so that every rank joins the collective.
         """
-        if not self._enabled or len(optimizers) < 2:
+        if not self._enabled or (len(optimizers) < 2 and across is None):
             return
         scale, _ = self._check_scale_growth_tracker("share_skip_decision")
         states = [self._per_optimizer_states[id(o)] for o in optimizers]
         found = [f.to(scale.device, non_blocking=True) for st in states for f in st["found_inf_per_device"].values()]
-        if not found:
+        if not found and across is None:
             return
-        combined = torch.stack(found).sum()
+        combined = torch.stack(found).sum() if found else torch.zeros((), dtype=torch.float32, device=scale.device)
+        if across is not None:
+            across(combined)
         for st in states:
-            st["found_inf_per_device"] = {d: combined.to(d, non_blocking=True) for d in st["found_inf_per_device"]}
+            st["found_inf_per_device"] = {d: combined.to(d, non_blocking=True)
+                                          for d in st["found_inf_per_device"] or (scale.device,)}
 
     # ------------------------------------------------------------------ step
 
