@@ -103,6 +103,10 @@ def local_problems(mp: Any, model: nn.Module, cfg: DDP | FSDP) -> list[str]:
         why = _fsdp.unsupported(mp.recipe)
         if why:
             problems.append(why)
+        try:
+            _fsdp.units(model, cfg.units)
+        except ValueError as e:
+            problems.append(str(e))
     elif cfg.compress is not None and mp.masters is not None:
         problems.append(f"DDP(compress={cfg.compress!r}) with recipe {mp.recipe.name!r}: a 16-bit storage recipe "
                         "reduces its gradients as fp32 master gradients, after backward; drop compress (or use a "

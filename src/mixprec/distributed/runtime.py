@@ -119,9 +119,18 @@ class Parallel:
         grads = [p.grad for p in params if p.grad is not None]
         if not grads:
             return torch.zeros((), device=params[0].device if params else "cpu")
-        total = nn.utils.get_total_norm(grads, norm_type=norm_type)
-        if hasattr(total, "full_tensor"):  # a DTensor: the shards' norms combined over the ranks
-            total = total.full_tensor()
+        # sharded (DTensor) gradients and plain ones apart: torch combines one kind at a time
+        kinds: dict[bool, list[torch.Tensor]] = {}
+        for g in grads:
+            kinds.setdefault(hasattr(g, "full_tensor"), []).append(g)
+        norms = []
+        for sharded, gs in kinds.items():
+            norm = nn.utils.get_total_norm(gs, norm_type=norm_type)
+            # a DTensor: the shards' norms combined over the ranks (a sum of powers, or a max for inf)
+            norms.append(norm.full_tensor() if sharded else norm)
+        first = norms[0].device
+        total = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(
+            torch.stack([n.to(first) for n in norms]), norm_type)
         if max_norm is not None:
             coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
             local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]

@@ -53,7 +53,7 @@ def _fused_skip_unsafe(optimizer: torch.optim.Optimizer) -> bool:
 
 
 def _check_and_unscale_(
-    grouped: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]],
+    grouped: dict[torch.device, dict[Any, list[torch.Tensor]]],
     found_per_device: dict[torch.device, torch.Tensor],
     found_inf: torch.Tensor,
     inv_scale: torch.Tensor,
@@ -84,7 +84,7 @@ class _OptimizerStages:
 
         Grads are grouped by device and dtype for the foreach kernel; one found_inf per device.
         """
-        grouped: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = defaultdict(lambda: defaultdict(list))
+        grouped: dict[torch.device, dict[Any, list[torch.Tensor]]] = defaultdict(lambda: defaultdict(list))
         with torch.no_grad():
             for group in optimizer.param_groups:
                 for param in group["params"]:
@@ -99,7 +99,8 @@ class _OptimizerStages:
                         if grad.dtype == torch.float16:
                             param.grad = grad = grad.coalesce()
                         grad = grad._values()
-                    grouped[grad.device][grad.dtype].append(grad)
+                    # (sharded DTensor gradients apart from plain ones: torch's kernel takes one kind per call)
+                    grouped[grad.device][(grad.dtype, type(grad))].append(grad)  # type: ignore[index]
             found_per_device: dict[torch.device, torch.Tensor] = {}
             _check_and_unscale_(grouped, found_per_device, found_inf, inv_scale)
         return found_per_device
