@@ -115,6 +115,8 @@ def scenario_match():
             mp, model, opt = build(recipe, mode)
             stats = train(mp, model, opt, 3, mode)
             got = params(mp, model)
+            if mode == "fsdp":
+                out[f"groups/{recipe}"] = mp._dist.fsdp_groups
             out[f"{mode}/{recipe}"] = {"digest": digest(got), "ref_digest": digest(ref), "max_diff": max_diff(got, ref),
                                        "stats": stats, "ref_stats": ref_stats,
                                        "local_digest": digest({n: p.detach().float() for n, p in model.named_parameters()}

@@ -22,7 +22,9 @@ and loaded under FSDP2, or back) is refused before anything is loaded, saying so
 from __future__ import annotations
 
 import io
+import warnings
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,6 +35,22 @@ VERSION = 1
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded into this model/optimizer/MixedPrecision; the message says why."""
+
+
+def _no_dist() -> bool:
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized())
+
+
+def _dcp(fn: Any, state: dict[str, Any], path: str) -> Any:
+    """``dcp.save`` / ``dcp.load``; on one process without a process group, and without DCP's warning
+    that it assumes one process (it is what was meant)."""
+    no_dist = _no_dist()
+    with warnings.catch_warnings():
+        if no_dist:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        return fn(state, checkpoint_id=str(path), no_dist=no_dist)
 
 
 def _opts(optimizer: Any) -> list[torch.optim.Optimizer]:
@@ -91,16 +109,20 @@ def save_checkpoint(path: str, *, model: nn.Module, optimizer: Any, mp: Any, sch
     rank sees). Call on every rank, between steps (not inside an accumulation window)."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(_state(model, _opts(optimizer), mp, scheduler), checkpoint_id=str(path))
+    _dcp(dcp.save, _state(model, _opts(optimizer), mp, scheduler), path)
 
 
 def _read_meta(path: str) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
+    if not Path(path).is_dir():
+        raise CheckpointError(f"no checkpoint at {path}: save_checkpoint writes a directory (on a file system "
+                              "every rank sees)")
     meta = {"version": 0, "recipe": "", "mode": "", "world_size": 0, "optimizer": ""}
     try:
-        dcp.load({"mixprec": {"meta": meta}}, checkpoint_id=str(path))
-    except Exception as e:  # not a directory DCP wrote, or not one of ours
+        _dcp(dcp.load, {"mixprec": {"meta": meta}}, path)
+    except (Exception, CheckpointException) as e:  # not a directory DCP wrote, or not one of ours
         raise CheckpointError(f"{path}: not a mixprec checkpoint (written by mixprec.save_checkpoint): "
                               f"{type(e).__name__}: {str(e)[:300]}") from e
     return meta
@@ -134,7 +156,7 @@ def load_checkpoint(path: str, *, model: nn.Module, optimizer: Any, mp: Any, sch
     state = _state(model, opts, mp, scheduler)
     if scheduler is not None and "scheduler" not in _keys(path):
         raise CheckpointError(f"{path} holds no lr scheduler state; load without scheduler=")
-    dcp.load(state, checkpoint_id=str(path))
+    _dcp(dcp.load, state, path)
     set_model_state_dict(model, state["model"])
     if here["optimizer"] == "blob":
         saved = _unblob(state["optimizer"]["blob"])

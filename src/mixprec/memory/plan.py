@@ -215,6 +215,8 @@ class Plan:
     step: int
     peak: int
     notes: tuple[str, ...] = ()
+    world_size: int = 1  # per rank of this many, under ``parallel`` ("ddp", "fsdp"; None: one process)
+    parallel: str | None = None
 
     def per_param(self, component: str) -> float:
         return self.bytes[component] / self.counts.total if self.counts.total else 0.0
@@ -231,6 +233,8 @@ class Plan:
             "step_peak": self.persistent + self.step,
             "peak": self.peak,
             "notes": list(self.notes),
+            "world_size": self.world_size,
+            "parallel": self.parallel,
         }
 
 
@@ -319,7 +323,7 @@ def plan(
         notes.append(f"ddp, {world_size} ranks: per rank, every rank holds all of it (DDP's gradient buckets are "
                      "the gradients)")
     return Plan(facts.name, optimizer.lower(), counts, b, persistent, fwd_bwd, step,
-                persistent + max(fwd_bwd, step), tuple(notes))
+                persistent + max(fwd_bwd, step), tuple(notes), world_size, parallel)
 
 
 def facts_from_recipe(recipe: Any, device_type: str = "cpu") -> StorageFacts:
@@ -410,4 +414,4 @@ def _fsdp_plan(counts: ParamCounts, facts: StorageFacts, optimizer: str, shape: 
     if accumulate > 1:
         notes.append(f"accumulate={accumulate}: FSDP2 keeps unsharded fp32 gradients through each window")
     return Plan(facts.name, optimizer.lower(), counts, b, persistent, fwd_bwd, step,
-                persistent + max(fwd_bwd, step), tuple(notes))
+                persistent + max(fwd_bwd, step), tuple(notes), world, "fsdp")
