@@ -85,7 +85,8 @@ def units(model: nn.Module, rules: Any) -> list[str]:
             if isinstance(r, str) and not any(module_matches_rule(n, m, r) for n, m in named if n):
                 raise ValueError(f"FSDP(units=...) rule {r!r} matches no submodule of {type(model).__name__}; use a "
                                  "qualified name from model.named_modules(), a class or a class name")
-    return sorted(set(chosen), key=lambda n: -n.count("."))
+    order = {n: i for i, (n, _) in enumerate(named)}
+    return sorted(set(chosen), key=lambda n: (-n.count("."), order[n]))  # deepest first, then in model order
 
 
 def _policy(param_dtype: torch.dtype | None, reduce_dtype: torch.dtype, output_dtype: torch.dtype | None = None):
