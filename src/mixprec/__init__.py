@@ -44,6 +44,9 @@ _EXPORTS: dict[str, str] = {
     # the training step
     "MixedPrecision": "mixprec.training",
     "StepStats": "mixprec.training",
+    # checkpoints of model, optimizer and mixprec's state through torch.distributed.checkpoint
+    "save_checkpoint": "mixprec.distributed.checkpoint",
+    "load_checkpoint": "mixprec.distributed.checkpoint",
     # tasks (the protocol compare and doctor train)
     "Task": "mixprec.tasks",
     "load_task": "mixprec.tasks",
