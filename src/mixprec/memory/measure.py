@@ -220,7 +220,8 @@ def measure_parallel_step(task: Task, recipe: str | Recipe, parallel: Any, optim
         inputs, targets = to_device(task.get_batch(step), dev)
         with mp.autocast():
             out = task.run_forward(model, inputs)
-        mp.scaler.scale(task.loss_fn(out, targets)).backward()
+        scaler = mp.scaler  # the step's parts: backward of the scaled loss here, the rest below
+        scaler.scale(task.loss_fn(out, targets)).backward()
 
     for i in range(warmup):
         inputs, targets = to_device(task.get_batch(1 + i), dev)
