@@ -407,8 +407,9 @@ def _fsdp_plan(counts: ParamCounts, facts: StorageFacts, optimizer: str, shape: 
     step = b["gradients"]
     notes = [f"fsdp, {world} ranks: per rank; weights, gradients and optimizer state sharded (fp32)"
              + ("; the sharded fp32 weights are the masters" if facts.stores_16bit else ""),
-             "compute copies (all-gathered 16-bit parameters) counted whole: an upper bound (FSDP2 gathers a unit "
-             "at a time)" if compute_16 else "fp32 compute: FSDP2 gathers the fp32 parameters of one unit at a time"]
+             "compute copies (all-gathered 16-bit parameters) counted as if every one were gathered at once "
+             "(reshard_after_forward=False): an upper bound; resharding, FSDP2 holds one or two units of them"
+             if compute_16 else "fp32 compute: FSDP2 gathers the fp32 parameters of one unit at a time"]
     if shape is None:
         notes.append("no activations: give --batch --seq --d-model --layers --heads for a transformer estimate")
     if accumulate > 1:
