@@ -24,7 +24,6 @@ def _losses(text):
 
 def test_the_torchrun_example_trains_saves_and_resumes(tmp_path):
     first = _torchrun("--steps", "21", "--checkpoint", str(tmp_path / "ck"))
-    assert "parallel fsdp, gradients reduce-scattered in f32, mesh" not in first  # (no mesh given: the default)
     assert "parallel fsdp, gradients reduce-scattered in f32, 2 ranks" in first
     losses = _losses(first)
     assert losses[20] < losses[0] - 0.3  # it learned (ln 96 = 4.56 at the start)
