@@ -46,6 +46,9 @@ _EXPORTS: dict[str, str] = {
     "StepStats": "mixprec.training",
     # fp8 (the fp8 recipes swap nn.Linear layers in prepare; this swaps them back)
     "remove_fp8": "mixprec.fp8.swap",
+    # checkpoints of model, optimizer and mixprec's state through torch.distributed.checkpoint
+    "save_checkpoint": "mixprec.distributed.checkpoint",
+    "load_checkpoint": "mixprec.distributed.checkpoint",
     # tasks (the protocol compare and doctor train)
     "Task": "mixprec.tasks",
     "load_task": "mixprec.tasks",

@@ -1,6 +1,7 @@
-"""What goes into a training step and what comes out: the checks ``MixedPrecision`` makes at its
-doors (optimizers, schedulers, the clip norm, a state dict), so a mistake is one clear error before
-any work, and ``StepStats``, what one ``step`` did."""
+"""What goes into ``MixedPrecision`` and what comes out: the checks it makes at its doors
+(optimizers, schedulers, the clip norm, the loss, the model, a state dict, ``nan_guard``), so a
+mistake is one clear error before any work; ``StepStats``, what one ``step`` did; and
+``describe``, what it will do."""
 
 from __future__ import annotations
 
@@ -65,7 +66,7 @@ def _as_optimizers(optimizers: Optimizers) -> list[torch.optim.Optimizer]:
     return opts
 
 
-_MP_KEYS = {"recipe", "scaler", "steps", "masters", "fp8"}
+_MP_KEYS = {"recipe", "scaler", "steps", "masters", "fp8", "parallel"}
 
 
 def _check_mp_state(state: Any) -> None:
@@ -138,3 +139,45 @@ def check_model_params(model: torch.nn.Module, device: torch.device, recipe: Any
                 "precision, not mixed precision: small updates vanish without fp32 master weights. "
                 "Call model.float() and let the recipe choose what runs in 16 bits."
             )
+
+
+def describe(mp: Any) -> str:
+    """``MixedPrecision.describe()``: recipe, policy, scaler, masters, fp32 families (with what
+    prepare matched), device, fp8 layers, parallel mode."""
+    r = mp.recipe
+    scaler = type(mp.scaler).__name__ if mp.scaler.is_enabled() else "none"
+
+    def family(rule: Any) -> str:  # norms (LayerNorm x4, LlamaRMSNorm x1) once prepare has matched it
+        counts = mp._families.get(rule) if isinstance(rule, str) else None
+        if counts is None:
+            return str(getattr(rule, "__name__", rule))
+        return f"{rule} ({', '.join(f'{c} x{n}' for c, n in counts.items()) or 'nothing matched'})"
+
+    lines = [
+        f"recipe   {r.name}  ({r.reason})",
+        f"policy   {r.policy}  autocast={'on' if r.autocast else 'off'}",
+        f"scaler   {scaler}",
+        f"fp32     {', '.join(map(family, (*r.fp32_modules, *mp.fp32_modules))) or '-'}",
+        f"device   {mp.device}",
+    ]
+    if mp.masters is not None:
+        lines.insert(3, f"masters  {mp.masters.describe()}")
+    if mp.fp8_spec is not None:  # which layers compute in fp8, and why the others do not
+        from mixprec.fp8.state import describe_lines
+        lines += describe_lines(mp.fp8_spec, mp.fp8)
+    if mp._dist is not None:
+        lines.append(f"parallel {mp._dist.describe()}")
+    return "\n".join(lines)
+
+
+def _check_nan_guard(flag: Any) -> Any:
+    """Refuse a bad ``nan_guard`` now rather than at ``prepare``."""
+    if flag is None or isinstance(flag, (bool, dict)):
+        return flag
+    from mixprec.diagnostics.guard import _MODES  # (only here: the guard's module is not light)
+
+    if not isinstance(flag, str):
+        raise TypeError(f"nan_guard must be a bool, a mode ({', '.join(_MODES)}) or a dict of options; got {flag!r}")
+    if flag not in _MODES:
+        raise ValueError(f"nan_guard mode {flag!r} is not one of {', '.join(_MODES)} (or True/False, or a dict of options)")
+    return flag

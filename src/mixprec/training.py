@@ -41,7 +41,9 @@ from mixprec.step_io import (
     check_model_params,
     _check_max_grad_norm,
     _check_mp_state,
+    _check_nan_guard,
     _check_schedulers,
+    describe,
 )
 
 
@@ -105,6 +107,7 @@ class MixedPrecision:
         self.masters: MasterWeights | None = None
         self._model_ref: Any = None  # a weakref to the last prepared model
         self._families: dict[str, dict[str, int]] = {}  # family -> class -> count, from prepare
+        self._dist: Any = None  # mixprec.distributed.runtime.Parallel after prepare(parallel=...), else None
         if self.recipe.stores_16bit:
             rule = self.recipe.fp32_params if fp32_params is None else tuple(as_rules(fp32_params))
             self.masters = make_masters(self.recipe.master, self.policy.param_dtype, rule)
@@ -149,12 +152,20 @@ class MixedPrecision:
 
     # ------------------------------------------------------------------ model
 
-    def prepare(self, model: nn.Module) -> nn.Module:
+    def prepare(self, model: nn.Module, parallel: Any = None) -> nn.Module:
         """Apply the recipe to ``model`` in place and return it: fp32 islands and the output cast.
 
-        Raises ValueError when the model's parameters are not where/what the recipe expects (on
-        another device, or already cast to 16 bits with ``model.half()``).
+        ``parallel``: None (one process), ``"ddp"``, ``"fsdp"`` or a ``mixprec.distributed.DDP`` /
+        ``FSDP``: returns the model wrapped in DDP or FSDP2, gradients reduced in fp32 (call it on
+        every rank; docs/distributed.md). Raises ValueError when the model's parameters are not
+        where/what the recipe expects (on another device, or cast to 16 bits with ``model.half()``).
         """
+        if parallel is not None:
+            from mixprec.distributed.prepare import prepare_parallel  # a capability: loaded only when asked for
+            return prepare_parallel(self, model, parallel)
+        return self._prepare(model)
+
+    def _prepare(self, model: nn.Module, *, check_params: bool = True) -> nn.Module:
         if not isinstance(model, nn.Module):
             raise TypeError(f"prepare() expects an nn.Module, got {type(model).__name__}")
         if getattr(model, "_mixprec_recipe", None) is not None:
@@ -164,7 +175,8 @@ class MixedPrecision:
                 f"model was already prepared for recipe {model._mixprec_recipe!r}; "  # type: ignore[attr-defined]
                 f"build a fresh model to prepare it for {self.recipe.name!r}"
             )
-        self._check_params(model)
+        if check_params:
+            self._check_params(model)
         self._families = {f: family_matches(model, f) for f in (*self.recipe.fp32_modules, *self.fp32_modules)
                           if isinstance(f, str) and f in FAMILIES}
         if self.recipe.autocast:
@@ -204,6 +216,8 @@ class MixedPrecision:
 
     def named_parameters(self, model: nn.Module) -> list[tuple[str, nn.Parameter]]:
         """``(name, parameter)`` pairs for optimizer param groups (e.g. no weight decay on biases)."""
+        if self._dist is not None:
+            model = self._dist.local_module(model)
         if self.masters is None:
             return list(model.named_parameters())
         return list(self.masters.named_parameters(model))
@@ -258,7 +272,11 @@ class MixedPrecision:
         loss32 = self._check_loss(loss)
         try:
             micro = loss32 / self.accumulate if self.accumulate > 1 else loss32
-            self.scaler.scale(micro).backward(retain_graph=retain_graph)
+            if self._dist is None:
+                self.scaler.scale(micro).backward(retain_graph=retain_graph)
+            else:  # gradients are communicated at the boundary only
+                self._dist.backward(self.scaler.scale(micro), boundary=self._micro + 1 >= self.accumulate,
+                                    accumulating=self.accumulate > 1, retain_graph=retain_graph)
             detached = micro.detach()
             self._loss_sum = detached if self._loss_sum is None else self._loss_sum + detached
             self._micro += 1
@@ -317,7 +335,11 @@ class MixedPrecision:
             return
         # nothing reads the gradients before the step but the scaler's inf check and the clip,
         # which can read them 16-bit: a bucketed step may keep them so until each bucket's turn
-        self.masters.after_backward(_as_optimizers(optimizers), boundary=boundary, defer=self._scaler_defers())
+        # (not with parallel=: the fp32 master gradients are averaged over the ranks at the boundary)
+        self.masters.after_backward(_as_optimizers(optimizers), boundary=boundary,
+                                    defer=self._scaler_defers() and self._dist is None)
+        if self._dist is not None and boundary:
+            self._dist.reduce_master_grads(self.masters.named_parameters())
 
     def unscale_(self, optimizers: Optimizers) -> None:
         """At the boundary, after ``after_backward``: unscale every optimizer's gradients, check
@@ -331,7 +353,8 @@ class MixedPrecision:
                                               exact=self.scaler.scale_is_power_of_two)
             else:
                 self.scaler.unscale_(opt)
-        self.scaler.share_skip_decision(opts)
+        # one skip decision for every optimizer, and with parallel= for every rank (a MAX all-reduce)
+        self.scaler.share_skip_decision(opts, across=None if self._dist is None else self._dist.all_reduce_max)
 
     def clip_grad_norm_(self, optimizers: Optimizers, max_norm: float | None, norm_type: float = 2.0, *,
                         parameters: Iterable[torch.Tensor] | None = None) -> torch.Tensor | None:
@@ -392,6 +415,8 @@ class MixedPrecision:
             params = self.masters.optimizer_view(params)
             if self.masters.deferred:  # ... or still on the model, until their bucket steps
                 return self.masters.deferred_grad_norm_(params, max_grad_norm, norm_type)
+        if self._dist is not None:  # the norm over every rank's gradients (FSDP2's are shards)
+            return self._dist.clip_grad_norm_(params, max_grad_norm, norm_type)
         if max_grad_norm is not None:
             return nn.utils.clip_grad_norm_(params, max_grad_norm, norm_type=norm_type)
         grads = [p.grad for p in params if p.grad is not None]
@@ -416,6 +441,8 @@ class MixedPrecision:
             state["masters"] = self.masters.state_dict()
         if self.fp8 is not None:
             state["fp8"] = self.fp8.state_dict()
+        if self._dist is not None:
+            state["parallel"] = self._dist.state()
         return state
 
     def load_state_dict(self, state: dict[str, Any], strict: bool = True) -> None:
@@ -443,42 +470,8 @@ class MixedPrecision:
         return model.state_dict() if self.masters is None else self.masters.fp32_state_dict()
 
     def describe(self) -> str:
-        """A few lines saying what this object will do."""
-        r = self.recipe
-        scaler = type(self.scaler).__name__ if self.scaler.is_enabled() else "none"
-        lines = [
-            f"recipe   {r.name}  ({r.reason})",
-            f"policy   {r.policy}  autocast={'on' if r.autocast else 'off'}",
-            f"scaler   {scaler}",
-            f"fp32     {', '.join(map(self._family_text, (*r.fp32_modules, *self.fp32_modules))) or '-'}",
-            f"device   {self.device}",
-        ]
-        if self.masters is not None:
-            lines.insert(3, f"masters  {self.masters.describe()}")
-        if self.fp8_spec is not None:  # which layers compute in fp8, and why the others do not
-            from mixprec.fp8.state import describe_lines
-            lines += describe_lines(self.fp8_spec, self.fp8)
-        return "\n".join(lines)
-
-    def _family_text(self, rule: Any) -> str:
-        """``norms (LayerNorm x4, LlamaRMSNorm x1)`` once prepare has matched the family."""
-        counts = self._families.get(rule) if isinstance(rule, str) else None
-        if counts is None:
-            return str(getattr(rule, "__name__", rule))
-        return f"{rule} ({', '.join(f'{c} x{n}' for c, n in counts.items()) or 'nothing matched'})"
+        """A few lines saying what this object will do (and, after prepare, what it matched)."""
+        return describe(self)
 
     def __repr__(self) -> str:
         return f"MixedPrecision({self.recipe.name!r}, device={str(self.device)!r})"
-
-
-def _check_nan_guard(flag: Any) -> Any:
-    """Refuse a bad ``nan_guard`` now rather than at ``prepare``."""
-    if flag is None or isinstance(flag, (bool, dict)):
-        return flag
-    from mixprec.diagnostics.guard import _MODES  # (only here: the guard's module is not light)
-
-    if not isinstance(flag, str):
-        raise TypeError(f"nan_guard must be a bool, a mode ({', '.join(_MODES)}) or a dict of options; got {flag!r}")
-    if flag not in _MODES:
-        raise ValueError(f"nan_guard mode {flag!r} is not one of {', '.join(_MODES)} (or True/False, or a dict of options)")
-    return flag

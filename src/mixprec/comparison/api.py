@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 import mixprec
-from mixprec.comparison.runner import ProgressFn, RunResult, check_task, run_recipe
+from mixprec.comparison.runner import ProgressFn, RunResult, RunStartFn, check_task, run_plan
 from mixprec.instruments.machine import environment
 from mixprec.comparison.verdict import Band, Verdict, VerdictRule, fp32_band, judge
 from mixprec.recipes import Recipe, as_device, resolve_recipe
@@ -30,8 +30,6 @@ REFERENCE = "fp32"
 REFERENCE_SEED = 0
 MIN_NOISE_SEEDS = 2
 
-#: called as ``on_run(label, index, total)`` before each run starts
-RunStartFn = Callable[[str, int, int], None]
 
 
 @dataclasses.dataclass
@@ -187,6 +185,9 @@ def compare(
     threads: int | None = None,
     progress: ProgressFn | None = None,
     on_run: RunStartFn | None = None,
+    nproc: int = 1,
+    parallel: str = "ddp",
+    timeout: float | None = None,
 ) -> ComparisonResult:
     """Train ``task`` under each recipe and under fp32 from ``1 + seeds`` seeds; judge every recipe.
 
@@ -203,6 +204,11 @@ def compare(
         threads: torch CPU threads for the runs (restored afterwards); None leaves torch's setting.
         progress: called after every step (see ``runner.ProgressFn``).
         on_run: called before each run with ``(label, index, total)``.
+        nproc: train every run data-parallel on this many local processes, started through torch's
+            launcher (torchrun): each step's batch is split over them (``task`` must then be a
+            ``"module:function"`` name or None, which the processes import).
+        parallel: "ddp" or "fsdp" when ``nproc`` > 1; ``timeout``: seconds for all of it (then
+            the processes are killed and a ``RuntimeError`` says so); None: no limit.
 
     Raises ``TaskError`` for a task that cannot be used, ``ValueError`` for unknown recipes or bad
     arguments, ``RuntimeError`` for a recipe this device cannot run, ``RunError`` when an fp32
@@ -239,31 +245,17 @@ def compare(
     n_steps = the_task.steps if steps is None else steps
     rule = rule or VerdictRule()
 
-    plan: list[tuple[Recipe, int, str]] = [(reference_recipe, REFERENCE_SEED, "reference")]
-    plan += [(reference_recipe, REFERENCE_SEED + i, "noise") for i in range(1, seeds + 1)]
-    plan += [(r, REFERENCE_SEED, "candidate") for r in candidates]
-    runs: list[RunResult] = []
-    verdicts: dict[str, Verdict] = {}
-    band: Band | None = None
+    plan = make_plan(reference_recipe, candidates, seeds)
     with _torch_threads(threads):
         threads_used = torch.get_num_threads()
-        for index, (recipe, seed, role) in enumerate(plan):
-            label = recipe.name if role != "noise" else f"{recipe.name} (seed {seed})"
-            if on_run is not None:
-                on_run(label, index, len(plan))
-            run = run_recipe(the_task, recipe, seed=seed, steps=n_steps, device=dev, role=role,  # type: ignore[arg-type]
-                             label=label, progress=progress)
-            runs.append(run)
-            if role != "candidate" and not np.isfinite(run.loss).all():
-                # check 1 of the debugging order: if fp32 is not finite either, the precision is not the fault
-                why = _fp32_failed(run)
-                verdicts = {r.name: Verdict(r.name, r.name, "UNJUDGED", why) for r in candidates}
-                break
-            if role == "noise" and seed == REFERENCE_SEED + seeds:
-                band = fp32_band(runs[0].loss, [r.loss for r in runs[1:]], rule)
-            if role == "candidate":
-                assert band is not None
-                verdicts[recipe.name] = judge(run, band)
+        if nproc > 1:
+            from mixprec.comparison.parallel import run_plan_on_ranks  # starts torchrun: only when asked for
+
+            runs = run_plan_on_ranks(task, task_kwargs or {}, plan, n_steps, dev, nproc, parallel, threads,
+                                     progress=progress, on_run=on_run, timeout=timeout)
+        else:
+            runs = run_plan(the_task, plan, n_steps, dev, progress=progress, on_run=on_run)
+    verdicts, band = _judge(runs, candidates, seeds, rule)
 
     result = ComparisonResult(
         task=the_task.name,
@@ -286,6 +278,33 @@ def compare(
             warnings.warn(result.write_error + "; the results are in the returned object (result.write(dir))",
                           RuntimeWarning, stacklevel=2)
     return result
+
+
+Plan = list[tuple[Recipe, int, str]]  # (recipe, seed, role) per run, in order
+
+
+def make_plan(reference: Recipe, candidates: Sequence[Recipe], seeds: int) -> Plan:
+    """The runs of a comparison: fp32 from seed 0, fp32 from ``seeds`` other seeds, each candidate."""
+    plan: Plan = [(reference, REFERENCE_SEED, "reference")]
+    plan += [(reference, REFERENCE_SEED + i, "noise") for i in range(1, seeds + 1)]
+    return plan + [(r, REFERENCE_SEED, "candidate") for r in candidates]
+
+
+def _judge(runs: list[RunResult], candidates: Sequence[Recipe], seeds: int,
+           rule: VerdictRule) -> tuple[dict[str, Verdict], Band | None]:
+    verdicts: dict[str, Verdict] = {}
+    band: Band | None = None
+    for run in runs:
+        if run.role != "candidate" and not np.isfinite(run.loss).all():
+            # check 1 of the debugging order: if fp32 is not finite either, the precision is not the fault
+            why = _fp32_failed(run)
+            return {r.name: Verdict(r.name, r.name, "UNJUDGED", why) for r in candidates}, band
+        if run.role == "noise" and run.seed == REFERENCE_SEED + seeds:
+            band = fp32_band(runs[0].loss, [r.loss for r in runs[1:] if r.role == "noise"], rule)
+        if run.role == "candidate":
+            assert band is not None
+            verdicts[run.recipe] = judge(run, band)
+    return verdicts, band
 
 
 @contextlib.contextmanager

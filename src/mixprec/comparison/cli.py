@@ -33,6 +33,7 @@ examples:
   mixprec compare --task-arg d_model=64 --task-arg n_layer=4 --device cuda
   mixprec compare --quiet && echo "mixed precision is safe here"
   mixprec compare --backend jax            # the same judgement on a built-in JAX model (pip install 'mixprec[jax]')
+  mixprec compare --nproc 2                # every run data-parallel on 2 processes (torchrun; DDP, gloo on CPU)
 """
 
 
@@ -54,6 +55,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=_positive_int, default=None, metavar="N",
                         help="torch CPU threads (default: 1 for the built-in task on CPU, whose ops are too "
                              "small to gain from more and lose 4x on a busy machine; else torch's choice)")
+    parser.add_argument("--nproc", type=_positive_int, default=1, metavar="N",
+                        help="train every run data-parallel on N local processes through torchrun (each step's batch "
+                             "split over them; gradients reduced in fp32); the verdict is judged the same way")
+    parser.add_argument("--parallel", choices=("ddp", "fsdp"), default="ddp",
+                        help="with --nproc: DistributedDataParallel (default) or FSDP2")
     parser.add_argument("--backend", choices=("torch", "jax"), default="torch",
                         help="train with torch (default) or JAX (needs the jax extra; --task then names a JaxTask factory)")
     parser.add_argument("--quiet", action="store_true", help="no progress and no table: one line per recipe")
@@ -119,6 +125,7 @@ def run(args: argparse.Namespace) -> int:
                 args.task, recipes, steps=args.steps, seeds=args.noise_seeds, device=args.device,
                 out=DEFAULT_OUT if args.out is None else (args.out or None), task_kwargs=task_kwargs, threads=threads,
                 progress=progress.on_step if progress else None, on_run=progress.on_run if progress else None,
+                nproc=args.nproc, parallel=args.parallel,
             )
     except RunError as e:
         return error(f"{e}\n(an fp32 run failed, so nothing can be judged: debug the task in plain fp32 first)")

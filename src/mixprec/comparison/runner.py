@@ -29,6 +29,8 @@ Role = Literal["reference", "noise", "candidate"]
 
 #: called as ``progress(run_label, steps_done, steps_total, latest_loss_tensor)`` after each step
 ProgressFn = Callable[[str, int, int, torch.Tensor], None]
+#: called as ``on_run(label, index, total)`` before each run starts
+RunStartFn = Callable[[str, int, int], None]
 
 
 class RunError(RuntimeError):
@@ -234,12 +236,16 @@ def run_recipe(
     label: str | None = None,
     progress: ProgressFn | None = None,
     stop_after_nonfinite: int = 10,
+    parallel: str | None = None,
 ) -> RunResult:
     """Train ``task`` for ``steps`` optimizer steps under ``recipe`` after ``torch.manual_seed(seed)``.
 
     The run stops early once the loss has been non-finite for ``stop_after_nonfinite`` steps in a
     row (nothing after that can recover: the weights are NaN). Raises ``TaskError`` when the task
     returns the wrong things, and ``RunError`` (with the step) when training raises.
+
+    ``parallel`` ("ddp", "fsdp"): called on every rank of a process group, each rank trains on its
+    slice of every batch (``shard_batch``) and records the loss averaged over the ranks.
     """
     steps = task.steps if steps is None else int(steps)
     mp = MixedPrecision(recipe, device, track_grad_norm=True)
@@ -251,7 +257,7 @@ def run_recipe(
     t_start = time.perf_counter()
     model = _build_model(task, seed, dev)
     try:
-        model = mp.prepare(model)
+        model = mp.prepare(model, parallel=parallel) if parallel else mp.prepare(model)
     except ValueError as e:
         raise TaskError(f"task {task.name!r} under recipe {name!r}: {e}") from None
     optimizer = task.build_optimizer(mp.parameters(model))  # fp32 masters for the -true recipes
@@ -269,6 +275,8 @@ def run_recipe(
     for step in range(steps):
         try:
             inputs, targets = _call_get_batch(task, step)
+            if parallel:
+                inputs, targets = shard_batch(inputs, task), shard_batch(targets, task)
             inputs, targets = to_device(inputs, dev), to_device(targets, dev)
             with mp.autocast():
                 outputs = task.run_forward(model, inputs)
@@ -286,6 +294,8 @@ def run_recipe(
             raise RunError(label, step, e) from e
         timer.mark()
         grad_norm = stats.grad_norm if stats.grad_norm is not None else torch.full((), float("nan"), device=dev)
+        if parallel:  # every rank's record is the mean over the ranks (a collective, every step)
+            stats.loss = _mean_over_ranks(stats.loss.detach().float())
         records.append((stats.loss.detach().float(), grad_norm.detach().float(), stats.scale.detach().float(), stats.skipped))
         if progress is not None:
             progress(label, step + 1, steps, stats.loss)
@@ -323,3 +333,45 @@ def run_recipe(
         stopped=stopped,
         error=None if error is None else str(error),
     )
+
+
+def run_plan(task: Task, plan: list[tuple[Recipe, int, str]], steps: int, device: torch.device, *, progress: ProgressFn | None = None,
+             on_run: RunStartFn | None = None, parallel: str | None = None) -> list[RunResult]:
+    """Train every run of ``plan``; stops after an fp32 run whose loss is not finite (nothing can be
+    judged against it). With ``parallel``, on every rank of a process group (see ``run_recipe``)."""
+    runs: list[RunResult] = []
+    for index, (recipe, seed, role) in enumerate(plan):
+        label = recipe.name if role != "noise" else f"{recipe.name} (seed {seed})"
+        if on_run is not None:
+            on_run(label, index, len(plan))
+        run = run_recipe(task, recipe, seed=seed, steps=steps, device=device, role=role,  # type: ignore[arg-type]
+                         label=label, progress=progress, parallel=parallel)
+        runs.append(run)
+        if role != "candidate" and not np.isfinite(run.loss).all():
+            break
+    return runs
+
+
+def _mean_over_ranks(loss: torch.Tensor) -> torch.Tensor:
+    import torch.distributed as dist
+
+    loss = loss.clone()
+    dist.all_reduce(loss)
+    return loss / dist.get_world_size()
+
+
+def shard_batch(batch: Any, task: Task) -> Any:
+    """This rank's slice (dimension 0) of every tensor in a batch; refuses a batch that does not split."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if isinstance(batch, torch.Tensor):
+        if batch.dim() == 0 or batch.shape[0] % world:
+            raise TaskError(f"task {task.name!r}: a batch of {tuple(batch.shape)} does not split over {world} ranks "
+                            "along dimension 0; use a batch size that is a multiple of the number of processes")
+        return batch.chunk(world)[rank]
+    if isinstance(batch, dict):
+        return {k: shard_batch(v, task) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(shard_batch(v, task) for v in batch)
+    return batch

@@ -21,6 +21,7 @@ examples:
   mixprec memory --params 7B --trainable 40M --recipe bf16-mixed,bf16-true   # a frozen base (LoRA)
   mixprec memory --params 7B --recipe bf16-mixed,bf16-true-sr --accumulate 8   # gradient accumulation
   mixprec memory --model mypkg.models:make_model --recipe all
+  mixprec memory --params 70B --recipe bf16-mixed,bf16-true --world-size 64 --parallel fsdp   # per rank
   mixprec memory --measure --recipe bf16-mixed,bf16-true --batch 16 --seq 64 --d-model 64 --layers 2 --heads 4 --vocab 96
 """
 
@@ -44,6 +45,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     src.add_argument("--accumulate", type=int, default=1, metavar="K",
                      help="gradient accumulation over K micro-batches (16-bit storage recipes then keep fp32 "
                           "accumulators through each window; default 1)")
+    par = parser.add_argument_group("data parallel (per rank; the activation shape is per rank too)")
+    par.add_argument("--world-size", type=int, default=1, metavar="N", help="ranks training together (default 1)")
+    par.add_argument("--parallel", choices=("fsdp", "ddp"), default=None,
+                     help="fsdp: weights, gradients, optimizer state and masters sharded over the ranks (FSDP2); "
+                          "ddp: every rank holds all of it")
     act = parser.add_argument_group("activations of a GPT-style transformer (all five, or none)")
     act.add_argument("--batch", type=int)
     act.add_argument("--seq", type=int)
@@ -135,6 +141,12 @@ def run(args: argparse.Namespace) -> int:
         optimizer_state_bytes(args.optimizer)  # names the known optimizers when it is not one
         if args.accumulate < 1:
             raise ValueError(f"--accumulate must be >= 1, got {args.accumulate}")
+        if (args.world_size > 1) != (args.parallel is not None) or args.world_size < 1:
+            raise ValueError("per rank needs both --world-size N (N > 1) and --parallel fsdp|ddp; "
+                             f"got --world-size {args.world_size} and --parallel {args.parallel}")
+        if args.measure and args.parallel:
+            raise ValueError("--measure runs one process; the per-rank plan is checked against a measured 2-rank run "
+                             "by the tests (mixprec.memory.measure.measure_parallel_step, on every rank under torchrun)")
         if args.measure and args.accumulate != 1:
             raise ValueError("--measure runs one step of accumulate=1; drop --accumulate or --measure")
         device_type = args.device.split(":")[0]
@@ -176,7 +188,8 @@ def run(args: argparse.Namespace) -> int:
     results = []
     for recipe in recipes:
         counts = count_params(model, recipe) if model is not None else ParamCounts(parse_count(args.params), frozen=frozen)
-        p = plan(counts, facts_from_recipe(recipe, args.device.split(":")[0]), args.optimizer, shape, args.accumulate)
+        p = plan(counts, facts_from_recipe(recipe, args.device.split(":")[0]), args.optimizer, shape, args.accumulate,
+                 args.world_size, args.parallel)
         measured = measure_step(task, recipe, args.optimizer, args.device) if args.measure else None
         results.append((p, measured))
 
@@ -191,7 +204,8 @@ def run(args: argparse.Namespace) -> int:
     n = results[0][0].counts.total
     frozen_n = results[0][0].counts.frozen
     title = (f"memory plan: {n:,} parameters" + (f" ({n - frozen_n:,} trainable)" if frozen_n else "")
-             + f", {args.optimizer}" + (f", measured on {task.name}" if args.measure else ""))
+             + f", {args.optimizer}" + (f", measured on {task.name}" if args.measure else "")
+             + (f", per rank of {args.world_size} ({args.parallel})" if args.parallel else ""))
     headers = ["component"]
     for p, m in results:
         headers.append(p.recipe)

@@ -29,6 +29,19 @@ When each component is alive (what ``peak`` assumes):
   per-tensor kernels make none; torch's foreach kernels add up to 4 B/param.
 - gradient accumulation (``plan(..., accumulate=k)``): 16-bit storage recipes keep fp32
   accumulators (4 B per trainable 16-bit parameter) through each window, beside every backward.
+
+Per rank, data parallel (``plan(..., world_size=N, parallel="fsdp" | "ddp")``; shapes are per rank):
+
+- ``fsdp`` (FSDP2): weights, gradients and optimizer state are sharded, ``1/N`` each, all in
+  fp32 (the sharded fp32 weights are a 16-bit storage recipe's masters, so ``masters`` is 0 and
+  the optimizer steps them in place: no step-time fp32). The compute copies (the all-gathered
+  16-bit parameters: the ``autocast weight copies`` row) and activations are not divided; the
+  copies are counted whole, an upper bound: FSDP2 gathers one unit at a time and frees it after
+  its forward. With accumulation FSDP2 keeps unsharded fp32 gradients through the window.
+  Dimension 0 of each tensor is padded to a multiple of N (a row per tensor at most).
+- ``ddp``: every rank holds what one process holds; 16-bit storage recipes make the fp32 master
+  gradients of the whole model at the boundary (they are averaged over the ranks before the
+  step), not a bucket at a time.
 """
 
 from __future__ import annotations
@@ -211,6 +224,8 @@ class Plan:
     step: int
     peak: int
     notes: tuple[str, ...] = ()
+    world_size: int = 1  # per rank of this many, under ``parallel`` ("ddp", "fsdp"; None: one process)
+    parallel: str | None = None
 
     def per_param(self, component: str) -> float:
         return self.bytes[component] / self.counts.total if self.counts.total else 0.0
@@ -227,6 +242,8 @@ class Plan:
             "step_peak": self.persistent + self.step,
             "peak": self.peak,
             "notes": list(self.notes),
+            "world_size": self.world_size,
+            "parallel": self.parallel,
         }
 
 
@@ -245,6 +262,8 @@ def plan(
     optimizer: str = "adamw",
     shape: TransformerShape | None = None,
     accumulate: int = 1,
+    world_size: int = 1,
+    parallel: str | None = None,
 ) -> Plan:
     """The bytes a recipe needs for ``counts`` parameters trained with ``optimizer``.
 
@@ -254,6 +273,12 @@ def plan(
     accumulate in their own ``.grad`` at no extra cost."""
     if not isinstance(accumulate, int) or accumulate < 1:
         raise ValueError(f"accumulate must be an integer >= 1, got {accumulate!r}")
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
+    if parallel not in (None, "ddp", "fsdp"):
+        raise ValueError(f"parallel must be 'ddp', 'fsdp' or None, got {parallel!r}")
+    if parallel == "fsdp":
+        return _fsdp_plan(counts, facts, optimizer, shape, accumulate, world_size)
     n = counts.total
     stores_16bit = facts.stores_16bit
     n16 = n - counts.fp32_kept if stores_16bit else 0
@@ -266,7 +291,8 @@ def plan(
     bucket = min(t16, max(facts.bucket_numel, counts.largest)) if facts.bucket_numel else t16
     accumulators = t16 * 4 if accumulate > 1 else 0
     fp8w = (matmul if counts.fp8_weights is None else counts.fp8_weights) if facts.fp8 else 0  # 1 B copies
-    defers = facts.defers_grads and accumulate == 1  # accumulated gradients are fp32 already
+    # accumulated gradients are fp32 already; under DDP they are made fp32 whole, to be averaged
+    defers = facts.defers_grads and accumulate == 1 and parallel is None
     b = {
         "weights": n16 * facts.param_bytes + n32 * 4,
         "masters": t16 * facts.master_bytes,
@@ -308,8 +334,11 @@ def plan(
     if accumulate > 1:
         notes.append(f"accumulate={accumulate}: fp32 gradient accumulators through each window"
                      if accumulators else f"accumulate={accumulate}: gradients accumulate in place (no extra memory)")
+    if parallel == "ddp":
+        notes.append(f"ddp, {world_size} ranks: per rank, every rank holds all of it (DDP's gradient buckets are "
+                     "the gradients)")
     return Plan(facts.name, optimizer.lower(), counts, b, persistent, fwd_bwd, step,
-                persistent + max(fwd_bwd, step), tuple(notes))
+                persistent + max(fwd_bwd, step), tuple(notes), world_size, parallel)
 
 
 def facts_from_recipe(recipe: Any, device_type: str = "cpu") -> StorageFacts:
@@ -365,3 +394,41 @@ def parse_count(text: str, minimum: int = 0) -> int:
     if value != value.to_integral_value():
         raise ValueError(f"a parameter count is a whole number, got {text!r} ({value.normalize()})")
     return int(value)
+
+
+def _fsdp_plan(counts: ParamCounts, facts: StorageFacts, optimizer: str, shape: TransformerShape | None,
+               accumulate: int, world: int) -> Plan:
+    """Per rank under FSDP2 (see the module docstring): fp32 shards of everything that persists."""
+    n, t = counts.total, counts.trainable
+
+    def shard(count: int) -> int:
+        return -(-count // world)  # ceil: the planner does not know the rows to pad
+
+    compute_16 = facts.compute_bytes < 4
+    n16 = n - counts.fp32_kept if facts.stores_16bit else (counts.matmul_weights if counts.matmul_weights is not None
+                                                            else n)
+    b = {
+        "weights": shard(n) * 4,
+        "masters": 0,
+        "optimizer state": shard(t) * optimizer_state_bytes(optimizer),
+        "gradients": shard(t) * 4,
+        "fp32 grad accumulators": t * 4 if accumulate > 1 else 0,
+        "autocast weight copies": n16 * facts.compute_bytes if compute_16 else 0,
+        "activations": activation_bytes(shape, facts) if shape is not None else 0,
+        "step-time fp32": 0,
+    }
+    persistent = b["weights"] + b["optimizer state"]
+    logits_grad = shape.batch * shape.seq * shape.vocab * 4 if shape is not None else 0
+    fwd_bwd = b["gradients"] + b["fp32 grad accumulators"] + b["autocast weight copies"] + b["activations"] + logits_grad
+    step = b["gradients"]
+    notes = [f"fsdp, {world} ranks: per rank; weights, gradients and optimizer state sharded (fp32)"
+             + ("; the sharded fp32 weights are the masters" if facts.stores_16bit else ""),
+             "compute copies (all-gathered 16-bit parameters) counted as if every one were gathered at once "
+             "(reshard_after_forward=False): an upper bound; resharding, FSDP2 holds one or two units of them"
+             if compute_16 else "fp32 compute: FSDP2 gathers the fp32 parameters of one unit at a time"]
+    if shape is None:
+        notes.append("no activations: give --batch --seq --d-model --layers --heads for a transformer estimate")
+    if accumulate > 1:
+        notes.append(f"accumulate={accumulate}: FSDP2 keeps unsharded fp32 gradients through each window")
+    return Plan(facts.name, optimizer.lower(), counts, b, persistent, fwd_bwd, step,
+                persistent + max(fwd_bwd, step), tuple(notes), world, "fsdp")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import inspect
 import warnings
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -52,7 +53,7 @@ def _fused_skip_unsafe(optimizer: torch.optim.Optimizer) -> bool:
 
 
 def _check_and_unscale_(
-    grouped: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]],
+    grouped: dict[torch.device, dict[Any, list[torch.Tensor]]],
     found_per_device: dict[torch.device, torch.Tensor],
     found_inf: torch.Tensor,
     inv_scale: torch.Tensor,
@@ -83,7 +84,7 @@ class _OptimizerStages:
 
         Grads are grouped by device and dtype for the foreach kernel; one found_inf per device.
         """
-        grouped: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = defaultdict(lambda: defaultdict(list))
+        grouped: dict[torch.device, dict[Any, list[torch.Tensor]]] = defaultdict(lambda: defaultdict(list))
         with torch.no_grad():
             for group in optimizer.param_groups:
                 for param in group["params"]:
@@ -98,7 +99,8 @@ class _OptimizerStages:
                         if grad.dtype == torch.float16:
                             param.grad = grad = grad.coalesce()
                         grad = grad._values()
-                    grouped[grad.device][grad.dtype].append(grad)
+                    # (sharded DTensor gradients apart from plain ones: torch's kernel takes one kind per call)
+                    grouped[grad.device][(grad.dtype, type(grad))].append(grad)  # type: ignore[index]
             found_per_device: dict[torch.device, torch.Tensor] = {}
             _check_and_unscale_(grouped, found_per_device, found_inf, inv_scale)
         return found_per_device
@@ -150,23 +152,31 @@ class _OptimizerStages:
             _check_and_unscale_(grouped, state["found_inf_per_device"], zero, torch.ones_like(zero))
         return self._inv_scale()
 
-    def share_skip_decision(self, optimizers: list[torch.optim.Optimizer]) -> None:
+    def share_skip_decision(self, optimizers: list[torch.optim.Optimizer],
+                            across: Callable[[torch.Tensor], None] | None = None) -> None:
         """Make several optimizers skip together: if any one's gradients hold inf/NaN, all skip.
 
         torch lets each optimizer decide alone, so an overflow in one model part still lets the
         others step (and a clip over all parameters spreads the inf into their grads first). Call
         after ``unscale_`` of each optimizer, before ``step``. No host sync.
+
+        ``across``: makes the combined flag the same on every rank, in place (a MAX all-reduce,
+        ``mixprec.distributed``); called on every step, also with one optimizer and no gradients,
+        so that every rank joins the collective.
         """
-        if not self._enabled or len(optimizers) < 2:
+        if not self._enabled or (len(optimizers) < 2 and across is None):
             return
         scale, _ = self._check_scale_growth_tracker("share_skip_decision")
         states = [self._per_optimizer_states[id(o)] for o in optimizers]
         found = [f.to(scale.device, non_blocking=True) for st in states for f in st["found_inf_per_device"].values()]
-        if not found:
+        if not found and across is None:
             return
-        combined = torch.stack(found).sum()
+        combined = torch.stack(found).sum() if found else torch.zeros((), dtype=torch.float32, device=scale.device)
+        if across is not None:
+            across(combined)
         for st in states:
-            st["found_inf_per_device"] = {d: combined.to(d, non_blocking=True) for d in st["found_inf_per_device"]}
+            st["found_inf_per_device"] = {d: combined.to(d, non_blocking=True)
+                                          for d in st["found_inf_per_device"] or (scale.device,)}
 
     # ------------------------------------------------------------------ step
 
