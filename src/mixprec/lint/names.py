@@ -61,6 +61,7 @@ _DEFAULT_DTYPE = {"cuda": "fp16", "cpu": "bf16"}
 # opt, optim, optimizer, optimiser, alone or as a word of a snake/digit name: g_opt, optimizer2
 _OPTIMIZER_NAME = re.compile(r"(^|_)(opt|optim|optimizer|optimiser)s?\d*(_|$)|optimi[sz]er$", re.I)
 _SCALER_METHODS = frozenset({"step", "update", "scale", "unscale_", "get_scale"})
+_MIXED_PRECISION = frozenset({"mixprec.MixedPrecision", "mixprec.training.MixedPrecision"})
 
 
 def key_of(node: ast.AST | None) -> str | None:
@@ -192,11 +193,14 @@ class Script:
         """Receivers used the way only a GradScaler is: ``x.unscale_(...)``,
         ``x.scale(loss).backward()``, or a ``*scaler*`` name stepped (with an optimizer) or updated."""
         keys: set[str] = set()
+        mixed = self._mixed_precision_keys()
         for call in self.calls:
             func = call.func
             if not isinstance(func, ast.Attribute):
                 continue
             k = key_of(func.value)
+            if k in mixed:
+                continue  # a MixedPrecision: its step() is the whole step, its unscale_() one part of it
             if func.attr == "unscale_" and k:
                 keys.add(k)
             elif func.attr in _SCALER_METHODS and k and "scaler" in last(k).lower():
@@ -205,6 +209,19 @@ class Script:
                 keys.add(k)
             elif func.attr == "backward":
                 keys.update(s for s in (scale_receiver(c) for c in _calls_in(func.value)) if s)
+        return keys
+
+    def _mixed_precision_keys(self) -> set[str]:
+        """Receivers that are a ``mixprec.MixedPrecision``: built from it in this file, or used with
+        a method only it has (``prepare``, ``after_backward``, ``optimizer_step``)."""
+        keys = {k for k, values in self.assigns.items()
+                if any(isinstance(v, ast.Call) and self.qualname(v.func) in _MIXED_PRECISION for v in values)}
+        for call in self.calls:
+            func = call.func
+            if isinstance(func, ast.Attribute) and func.attr in ("prepare", "after_backward", "optimizer_step"):
+                k = key_of(func.value)
+                if k:
+                    keys.add(k)
         return keys
 
     def _optimizers(self) -> set[str]:
