@@ -2,6 +2,7 @@
 
 import doctest
 import importlib
+import importlib.util
 import pkgutil
 import subprocess
 import sys
@@ -67,6 +68,13 @@ def test_import_and_cli_help_do_not_load_torch():
     assert out.strip().endswith("NO-TORCH")
 
 
+# modules that need an optional extra: their doctests run where the extra is installed (CI job 4)
+NEEDS_EXTRA = {
+    "mixprec.integrations.lightning": ("lightning",),
+    "mixprec.integrations.transformers": ("transformers", "accelerate"),
+}
+
+
 def _modules():
     for info in pkgutil.walk_packages(mixprec.__path__, "mixprec."):
         if info.name.startswith("mixprec.jax") or info.name == "mixprec.__main__":
@@ -74,8 +82,23 @@ def _modules():
         yield info.name
 
 
+def test_every_module_that_refuses_to_import_without_an_extra_is_listed():
+    # a module importable only with an extra is named in NEEDS_EXTRA (so that a torch-only
+    # install skips it, rather than failing) and nothing else is
+    for name in NEEDS_EXTRA:
+        assert name in set(_modules()), name
+    source = {name: importlib.util.find_spec(name).origin for name in _modules()}
+    for name, path in source.items():
+        text = open(path, encoding="utf-8").read()
+        if 'raise ImportError(f"mixprec.integrations' in text:
+            assert name in NEEDS_EXTRA, name
+
+
 @pytest.mark.parametrize("name", list(_modules()))
 def test_docstring_examples_run(name):
+    missing = [pkg for pkg in NEEDS_EXTRA.get(name, ()) if importlib.util.find_spec(pkg) is None]
+    if missing:
+        pytest.skip(f"{name} needs {', '.join(missing)} (an optional extra)")
     module = importlib.import_module(name)
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     assert result.failed == 0, f"{result.failed} doctest failure(s) in {name}"

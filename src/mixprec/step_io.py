@@ -34,9 +34,17 @@ class StepStats:
     loss: torch.Tensor
     grad_norm: torch.Tensor | None
     scale: torch.Tensor
-    skipped: torch.Tensor
+    skipped: torch.Tensor  # (given as the scaler's summed found_inf: made 0-d bool when first read)
     stepped: bool
     step: int
+
+    def __getattribute__(self, name: str) -> Any:
+        value = object.__getattribute__(self, name)
+        if name == "skipped" and value is not None and value.dtype != torch.bool:
+            # the flag is formed when someone reads it, not on every step (one comparison saved)
+            value = value > 0
+            object.__setattr__(self, "skipped", value)
+        return value
 
     def to_dict(self) -> dict[str, Any]:
         """Plain Python values (one sync per tensor field)."""
@@ -53,7 +61,13 @@ class StepStats:
 Optimizers = Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]]
 
 
+class _Checked(list):
+    """A list of optimizers ``_as_optimizers`` already checked: the step's parts take it as is."""
+
+
 def _as_optimizers(optimizers: Optimizers) -> list[torch.optim.Optimizer]:
+    if type(optimizers) is _Checked:  # the step handing its parts what it checked once
+        return optimizers
     if optimizers is None or not isinstance(optimizers, (torch.optim.Optimizer, list, tuple)):
         raise TypeError(f"step() expects torch.optim.Optimizer instances (the optimizer to step, or a list of "
                         f"them), got {type(optimizers).__name__}")
@@ -63,7 +77,7 @@ def _as_optimizers(optimizers: Optimizers) -> list[torch.optim.Optimizer]:
     for o in opts:
         if not isinstance(o, torch.optim.Optimizer):
             raise TypeError(f"step() expects torch.optim.Optimizer instances, got {type(o).__name__}")
-    return opts
+    return _Checked(opts)
 
 
 _MP_KEYS = {"recipe", "scaler", "steps", "masters", "fp8", "parallel"}

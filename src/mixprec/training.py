@@ -18,7 +18,6 @@ the 16-bit model. Their optimizer is built over ``mp.parameters(model)``, the fp
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 import weakref
 from collections.abc import Iterable, Sequence
@@ -288,7 +287,7 @@ class MixedPrecision:
 
             window_loss, self._loss_sum, self._micro = self._loss_sum, None, 0
             self.unscale_(opts)
-            grad_norm = self.clip_grad_norm_(opts, max_grad_norm, norm_type, parameters=parameters)
+            grad_norm = self._clip_or_measure(opts, parameters, max_grad_norm, norm_type)  # (checked above)
             return self.optimizer_step(opts, scheduler=scheduler, loss=window_loss, grad_norm=grad_norm)
         except BaseException:  # KeyboardInterrupt too: whatever the user's loop does next must work
             self.reset(opts)
@@ -367,25 +366,29 @@ class MixedPrecision:
                        grad_norm: torch.Tensor | None = None) -> StepStats:
         """Step every optimizer or skip them all, update the scale, write masters back, zero the
         gradients, step ``scheduler`` if the step was taken. ``loss``/``grad_norm``: for the stats."""
-        opts = _as_optimizers(optimizers)
-        # a 16-bit storage recipe may step (and write back) its masters a bucket at a time
-        with self.masters.bucketed_step(opts) if self.masters is not None else contextlib.nullcontext():
+        opts, scaler, masters = _as_optimizers(optimizers), self.scaler, self.masters
+        if masters is None:
             for opt in opts:
-                self.scaler.step(opt)
-        self.scaler.update()
-        if self.masters is not None:  # stepped (or skipped: unchanged) masters -> 16-bit model
-            self.masters.after_step()
+                scaler.step(opt)
+        else:  # a 16-bit storage recipe may step (and write back) its masters a bucket at a time
+            with masters.bucketed_step(opts):
+                for opt in opts:
+                    scaler.step(opt)
+        scaler.update()
+        if masters is not None:  # stepped (or skipped: unchanged) masters -> 16-bit model
+            masters.after_step()
         for opt in opts:
             opt.zero_grad(set_to_none=True)
         self._steps += 1
-        if scheduler is not None and not self.scaler.was_skipped():
+        if scheduler is not None and not scaler.was_skipped():
             for s in scheduler if isinstance(scheduler, (list, tuple)) else (scheduler,):
                 s.step()
-        one, false = self._constants()
-        scale = self.scaler.last_scale if self.scaler.is_enabled() else one
-        skipped = self.scaler.last_skipped if self.scaler.is_enabled() else false
+        if scaler._enabled:  # the summed found_inf: StepStats makes the flag only when it is read
+            scale, skipped = scaler.last_scale, scaler._last_found_inf
+        else:
+            scale, skipped = self._constants()
         if self.fp8 is not None:  # delayed scaling's history advances, unless the step was skipped
-            self.fp8.after_step(self.scaler.last_skipped if self.scaler.is_enabled() else None)
+            self.fp8.after_step(scaler.last_skipped if scaler._enabled else None)
         loss = torch.full((), float("nan"), device=self.device) if loss is None else loss
         return StepStats(loss, grad_norm, scale, skipped, True, self._steps)
 

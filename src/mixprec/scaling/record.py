@@ -4,8 +4,10 @@ Holds ``_StepRecord``, the ``GradScaler`` mixin that reads it: ``last_skipped`` 
 (0-d device tensors, no sync), ``was_skipped()``, ``skipped_steps`` and ``history()``. The record is
 written by ``GradScaler.update()`` itself (``mixprec.scaling.scaler``: a few lines inline, so the
 hot path pays no extra call) and its attributes are set by ``GradScaler.__init__``:
-``_last_found``, ``_last_scale``, ``_last_host_skipped``, the ``_record`` deque of
-``(update index, scale used, found inf)``, ``_updates`` and the device counter ``_skipped_total``.
+``_last_found_inf`` (the summed found_inf; ``_last_found``, the flag, is formed from it when read),
+``_last_scale``, ``_last_host_skipped``, the ``_record`` deque of ``(update index, scale used, found
+inf sum)``, ``_updates``, the device counter ``_skipped_total`` and the sums not yet counted into it
+(``_unfolded``).
 Also relies on ``_enabled``, and ``was_skipped()`` calls ``check_floor()`` (``mixprec.scaling.bounds``).
 """
 
@@ -20,7 +22,16 @@ class _StepRecord:
     @property
     def last_skipped(self) -> torch.Tensor | None:
         """0-d bool device tensor: did the last ``update()``'s step overflow (and so skip)? No sync."""
+        if self._last_found is None and self._last_found_inf is not None:
+            self._last_found = self._last_found_inf > 0
         return self._last_found
+
+    def _fold_skipped(self) -> torch.Tensor | None:
+        """Count the steps recorded since the last fold into ``_skipped_total`` (on the device)."""
+        if self._unfolded and self._skipped_total is not None:
+            self._skipped_total.add_((torch.stack(self._unfolded) > 0).sum())
+            self._unfolded = []
+        return self._skipped_total
 
     @property
     def last_scale(self) -> torch.Tensor | None:
@@ -31,15 +42,16 @@ class _StepRecord:
         """Whether the last step was skipped. Free after an unfused step; otherwise one sync."""
         if self._last_host_skipped is not None:
             return self._last_host_skipped
-        if self._last_found is None:
+        found = self.last_skipped
+        if found is None:
             return False
         self.check_floor()
-        return bool(self._last_found.item())
+        return bool(found.item())
 
     @property
     def skipped_steps(self) -> torch.Tensor | None:
         """Total skipped steps as a 0-d device tensor (no sync)."""
-        return self._skipped_total if self._enabled else None
+        return self._fold_skipped() if self._enabled else None
 
     def history(self) -> dict[str, torch.Tensor]:
         """The last ``record_steps`` steps as CPU tensors: ``step``, ``scale`` (used), ``skipped``.
@@ -56,5 +68,5 @@ class _StepRecord:
         return {
             "step": torch.tensor(steps, dtype=torch.int64),
             "scale": torch.stack(scales).cpu(),
-            "skipped": torch.stack(found).cpu(),
+            "skipped": (torch.stack(found) > 0).cpu(),
         }

@@ -81,7 +81,9 @@ class GradScaler(_OptimizerStages, _Bounds, _StepRecord, torch.amp.GradScaler):
             self._enabled = False
         self._allow_fp16_grads = bool(allow_fp16_grads)
         self._record_steps = int(record_steps)
-        self._last_found: torch.Tensor | None = None
+        self._last_found: torch.Tensor | None = None  # last_skipped, formed from _last_found_inf when read
+        self._last_found_inf: torch.Tensor | None = None
+        self._unfolded: list[torch.Tensor] = []  # found_inf sums not yet counted into _skipped_total
         self._last_scale: torch.Tensor | None = None
         self._last_host_skipped: bool | None = None
         if not self._enabled:
@@ -206,20 +208,22 @@ class GradScaler(_OptimizerStages, _Bounds, _StepRecord, torch.amp.GradScaler):
         host = [s.get("host_found_inf") for s in self._per_optimizer_states.values() if s["found_inf_per_device"]]
         self._last_host_skipped = None if any(h is None for h in host) else any(host)
 
-        found = combined > 0
-        # the per-step record (record._StepRecord reads it), written here: no extra call per step
-        self._last_found, self._last_scale = found, scale.clone()
-        self._record.append((self._updates, self._last_scale, found))
+        # The per-step record (record._StepRecord reads it), written here: no extra call per step.
+        # It keeps the summed found_inf, not found_inf > 0: the skip flag and the skip count are
+        # formed when read (one comparison per read, or per 1024 steps), not on every step.
+        self._last_found_inf, self._last_found, self._last_scale = combined, None, scale.clone()
+        self._record.append((self._updates, self._last_scale, combined))
         self._updates += 1
-        assert self._skipped_total is not None
-        self._skipped_total.add_(found)
+        self._unfolded.append(combined)
+        if len(self._unfolded) >= 1024:
+            self._fold_skipped()
 
         if self._plain:
             torch._amp_update_scale_(
                 scale, tracker, combined, self._growth_factor, self._backoff_factor, self._growth_interval
             )
         else:
-            self._update_with_bounds(scale, tracker, found)
+            self._update_with_bounds(scale, tracker, self.last_skipped)
         self._per_optimizer_states = defaultdict(_fresh_optimizer_state)
 
     def _set_scale(self, new_scale: float | torch.Tensor) -> None:
@@ -317,7 +321,7 @@ class GradScaler(_OptimizerStages, _Bounds, _StepRecord, torch.amp.GradScaler):
                 "_hysteresis_tracker": self._read(self._hysteresis_tracker, self._init_hysteresis_tracker),
                 "_floor_hits": self._read(self._floor_hits, self._init_floor_hits),
                 "_floor_hits_reported": self._floor_hits_reported,
-                "_skipped_total": self._read(self._skipped_total, self._init_skipped),
+                "_skipped_total": self._read(self._fold_skipped(), self._init_skipped),
                 "_updates": self._updates,
             },
         }
@@ -358,6 +362,7 @@ class GradScaler(_OptimizerStages, _Bounds, _StepRecord, torch.amp.GradScaler):
             self._hysteresis_tracker.fill_(self._init_hysteresis_tracker)
             self._floor_hits.fill_(self._init_floor_hits)
             self._skipped_total.fill_(self._init_skipped)
+            self._unfolded = []
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -375,9 +380,10 @@ class GradScaler(_OptimizerStages, _Bounds, _StepRecord, torch.amp.GradScaler):
             state["_init_floor_hits"] = sd["_floor_hits"]
             state["_init_skipped"] = sd["_skipped_total"]
             for name in ("_scale", "_growth_tracker", "_hysteresis_tracker", "_floor_hits", "_skipped_total",
-                         "_last_found", "_last_scale"):
+                         "_last_found", "_last_scale", "_last_found_inf"):
                 state[name] = None
             state["_record"] = collections.deque(maxlen=self._record_steps)
+            state["_unfolded"] = []
             state["_per_optimizer_states"] = None
         return state
 
