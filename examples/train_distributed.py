@@ -72,6 +72,7 @@ def main(argv: list[str] | None = None) -> float:
         save_checkpoint(args.checkpoint, model=model, optimizer=opt, mp=mp)
         if rank == 0:
             print(f"checkpoint: {args.checkpoint}")
+    dist.barrier()  # every rank done with its collectives before the group is torn down
     dist.destroy_process_group()
     return float(loss)
 

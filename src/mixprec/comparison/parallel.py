@@ -107,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
             pickle.dump(runs, f)
     import torch.distributed as dist
 
+    dist.barrier()  # every rank done with its collectives before the group is torn down
     dist.destroy_process_group()
     return 0
 
