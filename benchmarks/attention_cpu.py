@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> dict:
         "bf16-mixed + fp32 attention speedup over bf16-mixed": paired_ratio(samples["step bf16-mixed"],
                                                                             samples["step bf16-mixed, fp32 attention"]),
     }
-    print(f"\n| arm | median ms |\n|---|---|")
+    print("\n| arm | median ms |\n|---|---|")
     for k, v in med.items():
         print(f"| {k} | {v * 1e3:.2f} |")
     print("\n| ratio | median (95% CI) |\n|---|---|")

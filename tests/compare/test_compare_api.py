@@ -8,7 +8,6 @@ import pytest
 import torch
 
 import compare_bad_tasks as bad
-import mixprec
 from mixprec import get_recipe
 from mixprec.comparison.api import compare
 from mixprec.comparison.runner import RunError, run_recipe

@@ -12,7 +12,6 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
-import math
 import os
 import sys
 import traceback

@@ -30,7 +30,6 @@ from test_masters_bucketed_review import (
     _subset,
     _three_groups,
 )
-from torch import nn
 
 from mixprec import MixedPrecision
 from mixprec.scaling import GradScaler, StaticLossScaler

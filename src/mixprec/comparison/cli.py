@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-from typing import Any
 
 from mixprec.arguments import parse_task_args, split_recipes  # noqa: F401  (tests and mixprec.jax use them here too)
 

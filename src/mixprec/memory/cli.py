@@ -111,20 +111,45 @@ def _builtin_task(shape, load_task):
     return task, shape
 
 
+def _builtin_facts(args: argparse.Namespace) -> list[Any] | None:
+    """The storage facts of the recipes asked for, from the shipped table, when the plan needs no
+    model (a bare ``--params`` count) and every recipe is a built-in one: then the command is
+    arithmetic and never imports torch. None otherwise (``auto``, a jmp policy string, a typo,
+    ``--model``, ``--measure``): the full path resolves the recipes and says what is wrong."""
+    if args.params is None or args.model is not None or args.measure:
+        return None
+    from mixprec.memory import StorageFacts, recipe_facts
+
+    device_type = args.device.split(":")[0]
+    names = list(recipe_facts.ORDER) if args.recipe == "all" else [n for n in args.recipe.split(",") if n]
+    canonical = [recipe_facts.NAMES.get(n.strip().lower()) for n in names]
+    if not canonical or None in canonical or device_type not in ("cpu", "cuda"):
+        return None
+    return [StorageFacts(**recipe_facts.FACTS[(name, device_type)]) for name in canonical]
+
+
+class _NoTaskError(Exception):
+    """Stands for mixprec.tasks.TaskError where the tasks (and torch) were not imported."""
+
+
 def run(args: argparse.Namespace) -> int:
     import json
 
-    import torch
+    from mixprec.memory import COMPONENTS, ParamCounts, TransformerShape, optimizer_state_bytes, parse_count, plan
 
-    from mixprec.memory import (
-        COMPONENTS, ParamCounts, TransformerShape, facts_from_recipe, optimizer_state_bytes, parse_count, plan,
-    )
-    from mixprec.recipes import as_device, check_device_can_run, list_recipes, resolve_recipe
-    from mixprec.tasks import Task, TaskError, load_task
+    facts = _builtin_facts(args)
+    if facts is None:
+        import torch
+
+        from mixprec.recipes import as_device, check_device_can_run, list_recipes, resolve_recipe
+        from mixprec.tasks import Task, TaskError, load_task
+    else:
+        TaskError = _NoTaskError  # noqa: N806 - nothing on this path raises a task error
 
     try:
-        names = [r.name for r in list_recipes()] if args.recipe == "all" else [n for n in args.recipe.split(",") if n]
-        recipes = [resolve_recipe(n, "cpu") for n in names]
+        if facts is None:
+            names = [r.name for r in list_recipes()] if args.recipe == "all" else [n for n in args.recipe.split(",") if n]
+            recipes = [resolve_recipe(n, "cpu") for n in names]
         given = [getattr(args, f) is not None for f in _SHAPE]
         if any(given) and not all(given):
             missing = [f"--{f.replace('_', '-')}" for f, g in zip(_SHAPE, given) if not g]
@@ -156,7 +181,9 @@ def run(args: argparse.Namespace) -> int:
             for recipe in recipes:
                 check_device_can_run(recipe, as_device(args.device))
         task = model = None
-        if args.model is not None:
+        if facts is not None:
+            pass  # a bare count: no model to build
+        elif args.model is not None:
             built = _load(args.model)
             task, model = (built, None) if isinstance(built, Task) else (None, built)
             if model is not None and not isinstance(model, torch.nn.Module):
@@ -183,15 +210,23 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
-    from mixprec.memory.measure import count_params, measure_step
-
     results = []
-    for recipe in recipes:
-        counts = count_params(model, recipe) if model is not None else ParamCounts(parse_count(args.params), frozen=frozen)
-        p = plan(counts, facts_from_recipe(recipe, args.device.split(":")[0]), args.optimizer, shape, args.accumulate,
-                 args.world_size, args.parallel)
-        measured = measure_step(task, recipe, args.optimizer, args.device) if args.measure else None
-        results.append((p, measured))
+    if facts is not None:  # arithmetic only
+        counts = ParamCounts(parse_count(args.params), frozen=frozen)
+        for f in facts:
+            results.append((plan(counts, f, args.optimizer, shape, args.accumulate, args.world_size, args.parallel),
+                            None))
+    else:
+        from mixprec.memory import facts_from_recipe
+        from mixprec.memory.measure import count_params, measure_step
+
+        for recipe in recipes:
+            counts = (count_params(model, recipe) if model is not None
+                      else ParamCounts(parse_count(args.params), frozen=frozen))
+            p = plan(counts, facts_from_recipe(recipe, args.device.split(":")[0]), args.optimizer, shape,
+                     args.accumulate, args.world_size, args.parallel)
+            measured = measure_step(task, recipe, args.optimizer, args.device) if args.measure else None
+            results.append((p, measured))
 
     if args.json:
         out = [{**p.to_dict(), "measured": m.to_dict() if m else None} for p, m in results]
