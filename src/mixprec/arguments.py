@@ -23,17 +23,38 @@ def parse_task_args(items: list[str]) -> dict[str, Any]:
     return kwargs
 
 
+def split_names(text: str) -> list[str]:
+    """``"fp32,p=f32,c=bf16,o=f32,bf16-true"`` -> ``["fp32", "p=f32,c=bf16,o=f32", "bf16-true"]``.
+
+    Commas separate recipe names, except between the ``key=value`` parts of a jmp policy string:
+    consecutive parts with '=' are one policy, until a key comes again (the next policy starts).
+    """
+    out: list[str] = []
+    keys: set[str] = set()  # the keys of the policy string being gathered (out[-1])
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        key = part.split("=", 1)[0].strip().lower() if "=" in part else None
+        if key is not None and out and keys and key not in keys:
+            out[-1] += "," + part
+            keys.add(key)
+        else:
+            out.append(part)
+            keys = {key} if key is not None else set()
+    return out
+
+
 def split_recipes(items: list[str] | None) -> tuple[str, ...] | None:
     """``["fp32,bf16-mixed", "p=f32,c=f16"]`` -> ``("fp32", "bf16-mixed", "p=f32,c=f16")``.
 
-    Commas separate names, except inside a jmp policy string (an item with '='), whose commas are its own.
-    ``all`` stands for every registered recipe (``mixprec recipes``).
+    Commas separate names, except inside a jmp policy string, whose commas are its own
+    (``split_names``). ``all`` stands for every registered recipe (``mixprec recipes``).
     """
     if items is None:
         return None
     names: list[str] = []
     for item in items:
-        names += [item.strip()] if "=" in item else [n.strip() for n in item.split(",") if n.strip()]
+        names += split_names(item)
     if any(n.lower() == "all" for n in names):
         from mixprec.recipes import list_recipes
 

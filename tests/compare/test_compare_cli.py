@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from mixprec.cli import main
+from mixprec.arguments import split_names
 from mixprec.comparison.cli import default_threads, parse_task_args, split_recipes
 
 OVERFLOW = "compare_faults:make_overflow_task"  # fp16 overflows in the forward; fp32 and bf16 are fine
@@ -141,3 +142,16 @@ def test_builtin_task_on_cpu_defaults_to_one_thread():
     assert default_threads(None, "pkg.mod:make", "cpu") is None  # a user's model: torch's choice
     assert default_threads(None, None, "cuda") is None
     assert default_threads(3, None, "cpu") == 3
+
+
+@pytest.mark.parametrize("text, names", [
+    ("fp32,bf16-mixed", ["fp32", "bf16-mixed"]),
+    ("p=f32,c=bf16,o=f32", ["p=f32,c=bf16,o=f32"]),
+    ("fp32,p=f32,c=bf16,o=f32,bf16-true", ["fp32", "p=f32,c=bf16,o=f32", "bf16-true"]),
+    ("p=f32,c=bf16,p=bf16,c=bf16", ["p=f32,c=bf16", "p=bf16,c=bf16"]),  # a key again starts the next policy
+    ("params=float32,compute=float16, output=float32 ,,fp16-mixed", ["params=float32,compute=float16,output=float32", "fp16-mixed"]),
+    ("", []),
+])
+def test_split_names_keeps_a_policy_string_whole(text, names):
+    assert split_names(text) == names
+    assert split_recipes([text]) == tuple(names)

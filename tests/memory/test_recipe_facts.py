@@ -53,6 +53,10 @@ def test_names_the_table_does_not_know_take_the_full_path_and_its_errors(capsys)
     assert "bf16-mixed" in capsys.readouterr().err  # the did-you-mean of the recipe registry
     plans = _json(["--params", "7B", "--recipe", "auto"])["plans"]  # resolved by the machine, through torch
     assert len(plans) == 1 and plans[0]["recipe"] != "auto"
+    # a jmp policy string is one recipe, its commas its own (it was split into three unknown names)
+    plans = _json(["--params", "7B", "--recipe", "bf16-mixed,p=f32,c=bf16,o=f32,p=bf16,c=bf16,o=f32"])["plans"]
+    assert len(plans) == 3 and plans[0]["recipe"] == "bf16-mixed"
+    assert plans[1]["bytes"]["weights"] == 7e9 * 4 and plans[2]["bytes"]["weights"] == 7e9 * 2
 
 
 BLOCK_TORCH = """

@@ -40,7 +40,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     src.add_argument("--model", metavar="MODULE:FUNCTION",
                      help="a factory returning an nn.Module (counted exactly, fp32 rule applied) or a mixprec Task")
     src.add_argument("--recipe", default="fp32,bf16-mixed,bf16-true",
-                     help="recipe names, comma separated, or 'all' (default: fp32,bf16-mixed,bf16-true)")
+                     help="recipe names, comma separated (a jmp policy string such as p=f32,c=bf16,o=f32 counts as one), "
+                          "or 'all' (default: fp32,bf16-mixed,bf16-true)")
     src.add_argument("--optimizer", default="adamw", help="adamw, adam, sgd, sgd-momentum, adagrad, rmsprop")
     src.add_argument("--accumulate", type=int, default=1, metavar="K",
                      help="gradient accumulation over K micro-batches (16-bit storage recipes then keep fp32 "
@@ -118,10 +119,11 @@ def _builtin_facts(args: argparse.Namespace) -> list[Any] | None:
     ``--model``, ``--measure``): the full path resolves the recipes and says what is wrong."""
     if args.params is None or args.model is not None or args.measure:
         return None
+    from mixprec.arguments import split_names
     from mixprec.memory import StorageFacts, recipe_facts
 
     device_type = args.device.split(":")[0]
-    names = list(recipe_facts.ORDER) if args.recipe == "all" else [n for n in args.recipe.split(",") if n]
+    names = list(recipe_facts.ORDER) if args.recipe == "all" else split_names(args.recipe)
     canonical = [recipe_facts.NAMES.get(n.strip().lower()) for n in names]
     if not canonical or None in canonical or device_type not in ("cpu", "cuda"):
         return None
@@ -135,6 +137,7 @@ class _NoTaskError(Exception):
 def run(args: argparse.Namespace) -> int:
     import json
 
+    from mixprec.arguments import split_names
     from mixprec.memory import COMPONENTS, ParamCounts, TransformerShape, optimizer_state_bytes, parse_count, plan
 
     facts = _builtin_facts(args)
@@ -148,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         if facts is None:
-            names = [r.name for r in list_recipes()] if args.recipe == "all" else [n for n in args.recipe.split(",") if n]
+            names = [r.name for r in list_recipes()] if args.recipe == "all" else split_names(args.recipe)
             recipes = [resolve_recipe(n, "cpu") for n in names]
         given = [getattr(args, f) is not None for f in _SHAPE]
         if any(given) and not all(given):
