@@ -71,6 +71,7 @@ def test_import_and_cli_help_do_not_load_torch():
 # modules that need an optional extra: their doctests run where the extra is installed (CI job 4)
 NEEDS_EXTRA = {
     "mixprec.integrations.lightning": ("lightning",),
+    "mixprec.integrations.fabric": ("lightning",),
     "mixprec.integrations.transformers": ("transformers", "accelerate"),
 }
 

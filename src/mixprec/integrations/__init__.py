@@ -3,6 +3,8 @@ into one framework through that framework's public extension points.
 
 - ``mixprec.integrations.lightning``: ``MixprecPrecision``, a Lightning precision plugin
   (``L.Trainer(plugins=[MixprecPrecision("bf16-true")])``); ``pip install "mixprec[lightning]"``.
+- ``mixprec.integrations.fabric``: ``MixprecFabricPrecision``, the same for Lightning Fabric
+  (``L.Fabric(plugins=[MixprecFabricPrecision("fp16-mixed", device="cpu")])``; your loop).
 - ``mixprec.integrations.transformers``: ``MixprecTrainer`` (and ``MixprecTrainerMixin``), the
   Hugging Face Trainer running a mixprec recipe; ``pip install "mixprec[transformers]"``.
 - ``mixprec.integrations.records``: ``StepLog``, step records (loss, scale, skipped, grad norm)
