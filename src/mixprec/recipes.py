@@ -439,8 +439,7 @@ def _auto(device: torch.device) -> Recipe:
     if device.type == "cpu":
         ok, found = cpu_bf16_support()
         if ok:
-            why = (f"{found}: bf16 matmuls are native, fp16's are not (bf16-true is as fast or a little faster; "
-                   "attention kept in fp32 can be faster still: docs/bench.md, 'AMX CPUs')")
+            why = f"{found}: bf16 matmuls are native, fp16's are not (bf16-true as fast; fp32 attention: docs/bench.md)"
             return dataclasses.replace(get_recipe("bf16-mixed"), reason=f"auto: {why}")
         why = f"{found}: bf16 and fp16 matmuls are emulated and slower than fp32 here"
         return dataclasses.replace(get_recipe("fp32"), reason=f"auto: {why}")
