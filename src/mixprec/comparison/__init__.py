@@ -12,8 +12,7 @@ called ``compare`` would replace it on ``mixprec`` as soon as it was imported.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from mixprec._lazy import lazy_exports
 
 _EXPORTS = {
     "compare": "mixprec.comparison.api",
@@ -25,8 +24,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:  # lazy (PEP 562): ``mixprec compare --help`` loads no torch
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'mixprec.comparison' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS, globals())[0]  # ``mixprec compare --help`` loads no torch

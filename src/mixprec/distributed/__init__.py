@@ -25,8 +25,7 @@ torch.distributed.checkpoint that resume bit for bit.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from mixprec._lazy import lazy_exports
 
 from mixprec.distributed.config import DDP, FSDP, as_parallel
 
@@ -41,8 +40,4 @@ _LAZY = {
 __all__ = sorted(["DDP", "FSDP", "as_parallel", *_LAZY])
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'mixprec.distributed' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy_exports(__name__, _LAZY, globals())[0]

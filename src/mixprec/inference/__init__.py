@@ -14,8 +14,7 @@ Names are imported lazily, so ``mixprec.inference.cli`` (and ``mixprec --help``)
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from mixprec._lazy import lazy_exports
 
 _EXPORTS: dict[str, str] = {
     "CastInfo": "mixprec.inference.cast",
@@ -36,14 +35,4 @@ _EXPORTS: dict[str, str] = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'mixprec.inference' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

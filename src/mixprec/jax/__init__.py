@@ -18,8 +18,7 @@ See docs/jax.md. Needs the ``jax`` extra: ``pip install 'mixprec[jax]'``.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from mixprec._lazy import lazy_exports
 
 try:
     import jax.numpy as _jnp  # noqa: F401  (a submodule: a stray directory named jax would pass "import jax")
@@ -74,14 +73,4 @@ __all__ = (
 )
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'mixprec.jax' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())
