@@ -30,7 +30,7 @@ import numpy as np
 import optax
 
 from mixprec.jax.recipes import JaxRecipe
-from mixprec.tasks import TaskError, _accepts, import_factory
+from mixprec.tasks import TaskError, call_factory
 
 
 def _default_optimizer() -> optax.GradientTransformation:
@@ -75,18 +75,7 @@ def load_jax_task(spec: str | JaxTask | Callable[..., JaxTask] | None = None, **
         return spec
     if spec is None:
         spec = BUILTIN
-    if isinstance(spec, str):
-        factory, label = import_factory(spec), spec
-    elif callable(spec):
-        factory, label = spec, getattr(spec, "__qualname__", repr(spec))
-    else:
-        raise TaskError(f"a JAX task is a 'module:function' string, a factory or a JaxTask; got {type(spec).__name__}")
-    try:
-        task = factory(**kwargs)
-    except TypeError as e:
-        if not _accepts(factory, kwargs):
-            raise TaskError(f"task factory {label} does not accept arguments {sorted(kwargs)}: {e}") from None
-        raise
+    task, label = call_factory(spec, kwargs, "a JAX task", "a JaxTask", explain_errors=False)
     if not isinstance(task, JaxTask):
         raise TaskError(
             f"task factory {label} returned {type(task).__name__}; --backend jax needs a mixprec.jax.JaxTask "

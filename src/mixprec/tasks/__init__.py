@@ -95,22 +95,7 @@ def load_task(spec: str | Task | Callable[..., Task] | None = None, **kwargs: An
         spec = BUILTIN
     if isinstance(spec, str):
         spec = BUILTINS.get(spec, spec)
-        factory = import_factory(spec)
-        label = spec
-    elif callable(spec):
-        factory, label = spec, getattr(spec, "__qualname__", repr(spec))
-    else:
-        raise TaskError(f"a task is a 'module:function' string, a factory or a Task; got {type(spec).__name__}")
-    try:
-        task = factory(**kwargs)
-    except TypeError as e:
-        if not _accepts(factory, kwargs):
-            raise TaskError(f"task factory {label} does not accept arguments {sorted(kwargs)}: {e}") from None
-        raise _factory_error(label, kwargs, e) from e
-    except Exception as e:  # the factory's own code: name the arguments that went in (the traceback is the cause)
-        if not kwargs:
-            raise
-        raise _factory_error(label, kwargs, e) from e
+    task, label = call_factory(spec, kwargs, "a task", "a Task")
     if not isinstance(task, Task):
         raise TaskError(
             f"task factory {label} returned {type(task).__name__}, expected mixprec.tasks.Task "
@@ -122,6 +107,32 @@ def load_task(spec: str | Task | Callable[..., Task] | None = None, **kwargs: An
     if not isinstance(task.steps, int) or task.steps < 1:
         raise TaskError(f"task {task.name!r} from {label}: steps must be a positive integer, got {task.steps!r}")
     return task
+
+
+def call_factory(spec: Any, kwargs: dict[str, Any], what: str, ready: str,
+                 explain_errors: bool = True) -> tuple[Any, str]:
+    """Call the task factory ``spec`` names (``"module:function"`` or a callable) with ``kwargs``:
+    (what it returned, its label). Arguments it does not take are a ``TaskError``; with
+    ``explain_errors``, so is an error of the factory's own, naming the arguments that went in.
+    ``what``/``ready`` name the kind of task in the messages (``"a task"``, ``"a Task"``)."""
+    if isinstance(spec, str):
+        factory, label = import_factory(spec), spec
+    elif callable(spec):
+        factory, label = spec, getattr(spec, "__qualname__", repr(spec))
+    else:
+        raise TaskError(f"{what} is a 'module:function' string, a factory or {ready}; got {type(spec).__name__}")
+    try:
+        return factory(**kwargs), label
+    except TypeError as e:
+        if not _accepts(factory, kwargs):
+            raise TaskError(f"task factory {label} does not accept arguments {sorted(kwargs)}: {e}") from None
+        if not explain_errors:
+            raise
+        raise _factory_error(label, kwargs, e) from e
+    except Exception as e:  # the factory's own code: name the arguments that went in (the traceback is the cause)
+        if not kwargs or not explain_errors:
+            raise
+        raise _factory_error(label, kwargs, e) from e
 
 
 def _factory_error(label: str, kwargs: dict[str, Any], e: Exception) -> TaskError:
