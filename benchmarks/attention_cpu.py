@@ -51,13 +51,8 @@ class Block(RefBlock):
         super().__init__(shape)
         self.core = AttentionCore()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
-        hs = C // self.n_head
-        qkv = self.qkv(self.ln1(x)).view(B, T, 3, self.n_head, hs).permute(2, 0, 3, 1, 4)
-        y = self.core(qkv[0], qkv[1], qkv[2])
-        x = x + self.proj(y.transpose(1, 2).reshape(B, T, C))
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return self.core(q, k, v)
 
 
 def _sdpa_arm(shape, dtype: torch.dtype):
