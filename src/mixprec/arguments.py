@@ -5,6 +5,7 @@ compare, doctor, infer-check and the JAX compare; pure Python (no torch: ``--hel
 
 from __future__ import annotations
 
+import argparse
 import ast
 from typing import Any
 
@@ -61,3 +62,25 @@ def split_recipes(items: list[str] | None) -> tuple[str, ...] | None:
         every = [r.name for r in list_recipes()]
         names = [m for n in names for m in (every if n.lower() == "all" else [n])]
     return tuple(dict.fromkeys(names))  # in order, each once
+
+
+def count(text: str) -> int:
+    """argparse type: an integer >= 0 (a step number, how many of something)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected 0 or more, got {value}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (steps, seeds, threads)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 
-from mixprec.arguments import parse_task_args, split_recipes  # noqa: F401  (tests and mixprec.jax use them here too)
+from mixprec.arguments import parse_task_args, positive_int, split_recipes  # noqa: F401  (tests and mixprec.jax use them here too)
 
 HELP = "prove on a model that mixed precision tracks fp32 within fp32's own noise"
 DESCRIPTION = """\
@@ -45,16 +45,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="recipes to judge (names or jmp policy strings; commas also separate; 'all' for "
                              "every registered recipe); "
                              "default: fp32 bf16-mixed fp16-mixed. fp32 always runs as the reference")
-    parser.add_argument("--steps", type=_positive_int, default=None, help="optimizer steps per run (default: the task's)")
-    parser.add_argument("--noise-seeds", type=_positive_int, default=2, metavar="N",
+    parser.add_argument("--steps", type=positive_int, default=None, help="optimizer steps per run (default: the task's)")
+    parser.add_argument("--noise-seeds", type=positive_int, default=2, metavar="N",
                         help="extra fp32 runs from other seeds that measure the noise (default 2, at least 2)")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available, else cpu)")
     parser.add_argument("--out", default=None, metavar="DIR",
                         help="report directory (default: mixprec-report/compare); '' for none")
-    parser.add_argument("--threads", type=_positive_int, default=None, metavar="N",
+    parser.add_argument("--threads", type=positive_int, default=None, metavar="N",
                         help="torch CPU threads (default: 1 for the built-in task on CPU, whose ops are too "
                              "small to gain from more and lose 4x on a busy machine; else torch's choice)")
-    parser.add_argument("--nproc", type=_positive_int, default=1, metavar="N",
+    parser.add_argument("--nproc", type=positive_int, default=1, metavar="N",
                         help="train every run data-parallel on N local processes through torchrun (each step's batch "
                              "split over them; gradients reduced in fp32); the verdict is judged the same way")
     parser.add_argument("--parallel", choices=("ddp", "fsdp"), default="ddp",
@@ -64,16 +64,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress and no table: one line per recipe")
     parser.add_argument("--json", action="store_true", help="print the result as JSON on stdout (progress goes to stderr)")
     parser.add_argument("--traceback", action="store_true", help="show the full Python traceback of unexpected errors")
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
 
 
 def default_threads(threads: int | None, task: str | None, device: str | None) -> int | None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from mixprec.arguments import parse_task_args
+from mixprec.arguments import count, parse_task_args, positive_int
 
 HELP = "check that bf16 / fp16 inference of a model agrees with fp32 (SQNR, errors, top-1), and where it breaks"
 DESCRIPTION = """\
@@ -57,11 +57,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "autocast: fp32 parameters, 16-bit compute")
     parser.add_argument("--weights", default=None, metavar="PATH",
                         help="a state_dict saved with torch.save (fp32) to load into the task's model")
-    parser.add_argument("--train-steps", type=_count, default=0, metavar="N",
+    parser.add_argument("--train-steps", type=count, default=0, metavar="N",
                         help="train the model in fp32 for N steps first (the task's optimizer and loss; default 0)")
-    parser.add_argument("--batches", type=_positive_int, default=8, metavar="N",
+    parser.add_argument("--batches", type=positive_int, default=8, metavar="N",
                         help="batches to compare on (default 8)")
-    parser.add_argument("--first-batch", type=_count, default=None, metavar="STEP",
+    parser.add_argument("--first-batch", type=count, default=None, metavar="STEP",
                         help="get_batch step of the first batch (default: --train-steps, the first batch training "
                              "did not see)")
     parser.add_argument("--classes", default="auto", metavar="auto|none|NAME,...",
@@ -69,26 +69,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "else every output of 2+ dims), none, or output names ('output' for a lone tensor)")
     parser.add_argument("--seed", type=int, default=0, help="torch seed before build_model (default 0)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N (default cpu)")
-    parser.add_argument("--threads", type=_positive_int, default=None, metavar="N", help="torch CPU threads")
+    parser.add_argument("--threads", type=positive_int, default=None, metavar="N", help="torch CPU threads")
     parser.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
     parser.add_argument("--traceback", action="store_true", help="show the full traceback of errors in the task's code")
-
-
-def _positive_int(text: str) -> int:
-    value = _count(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected 0 or more, got {value}")
-    return value
 
 
 def _classes(text: str) -> Any:
