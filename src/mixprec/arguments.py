@@ -49,18 +49,21 @@ def split_recipes(items: list[str] | None) -> tuple[str, ...] | None:
     """``["fp32,bf16-mixed", "p=f32,c=f16"]`` -> ``("fp32", "bf16-mixed", "p=f32,c=f16")``.
 
     Commas separate names, except inside a jmp policy string, whose commas are its own
-    (``split_names``). ``all`` stands for every registered recipe (``mixprec recipes``).
+    (``split_names``). ``all`` stands for every registered recipe that is a way to train
+    (``mixprec recipes``); the UNSAFE demonstration baselines (``bf16-pure``, ``fp16-pure``,
+    ``fp8-unscaled``: they fail by design) run only when named, or as ``baselines``.
     """
     if items is None:
         return None
     names: list[str] = []
     for item in items:
         names += split_names(item)
-    if any(n.lower() == "all" for n in names):
+    groups = {"all": lambda r: not r.unsafe, "baselines": lambda r: r.unsafe}
+    if any(n.lower() in groups for n in names):
         from mixprec.recipes import list_recipes
 
-        every = [r.name for r in list_recipes()]
-        names = [m for n in names for m in (every if n.lower() == "all" else [n])]
+        names = [m for n in names
+                 for m in ([r.name for r in list_recipes() if groups[n.lower()](r)] if n.lower() in groups else [n])]
     return tuple(dict.fromkeys(names))  # in order, each once
 
 

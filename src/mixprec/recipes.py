@@ -170,13 +170,16 @@ class Recipe:
             )
 
     @property
-    def stores_16bit(self) -> bool:
-        """True when parameters live in 16 bits and ``master`` keeps their updates."""
+    def stores_16bit(self) -> bool:  # parameters live in 16 bits and ``master`` keeps their updates
         return self.master != "none"
 
     @property
     def compute_dtype(self) -> torch.dtype:
         return self.policy.compute_dtype
+
+    @property
+    def unsafe(self) -> bool:  # a demonstration baseline, which fails by design: run when named, never in "all"
+        return self.master == "nearest" or (self.fp8 is not None and self.fp8.scaling == "none")
 
     @property
     def is_mixed(self) -> bool:
@@ -389,9 +392,6 @@ def _from_policy_string(text: str) -> Recipe:
         fp32_modules=(NORMS,) if mixed else (),
         description=f"jmp policy {policy}",
     )
-
-
-# ---------------------------------------------------------------- auto
 
 
 @functools.lru_cache(maxsize=None)

@@ -80,6 +80,42 @@ def _as_optimizers(optimizers: Optimizers) -> list[torch.optim.Optimizer]:
     return _Checked(opts)
 
 
+class ModelsHeld:
+    """Whether the optimizers given to ``step`` hold any parameter of a model this object prepared.
+
+    An optimizer built over another module would "step" without training the model (bf16 and fp32
+    recipes said nothing; fp16 raised torch's "No inf checks were recorded for this optimizer").
+    Each set of optimizers is checked once; the prepared models are held weakly (one
+    ``MixedPrecision`` may prepare several, e.g. a GAN's two). The 16-bit storage recipes' masters
+    make the same check on their own (``MasterWeights.check_optimizers``).
+    """
+
+    def __init__(self) -> None:
+        self._models: list[Any] = []  # weakrefs
+        self._ok: set[tuple[int, ...]] = set()
+
+    def add(self, model: torch.nn.Module) -> None:
+        import weakref
+
+        self._models.append(weakref.ref(model))
+
+    def check(self, opts: Sequence[torch.optim.Optimizer]) -> None:
+        key = tuple(id(o) for o in opts)
+        if key in self._ok:
+            return
+        models = [m for m in (r() for r in self._models) if m is not None]
+        ours = {id(p) for m in models for p in m.parameters()}
+        if models and ours and not any(id(p) in ours for o in opts for g in o.param_groups for p in g["params"]):
+            names = ", ".join(type(o).__name__ for o in opts)
+            raise ValueError(
+                f"the optimizer ({names}) holds none of the parameters of the prepared "
+                f"{' or '.join(type(m).__name__ for m in models)}: it was built over another module (or over "
+                "parameters replaced since), so the model would never train. Build it over mp.parameters(model) "
+                "for the prepared model"
+            )
+        self._ok.add(key)
+
+
 _MP_KEYS = {"recipe", "scaler", "steps", "masters", "fp8", "parallel"}
 
 

@@ -33,6 +33,7 @@ from mixprec.policy import AutocastForward, InputCast, OutputCast
 from mixprec.recipes import Recipe, as_device, resolve_recipe
 from mixprec.scaling import GradScaler, NoOpScaler, StaticLossScaler
 from mixprec.step_io import (
+    ModelsHeld,
     Optimizers,
     StepStats,
     _as_optimizers,
@@ -105,6 +106,7 @@ class MixedPrecision:
         self._false: torch.Tensor | None = None
         self.masters: MasterWeights | None = None
         self._model_ref: Any = None  # a weakref to the last prepared model
+        self._held = ModelsHeld()  # every model prepared: step() refuses optimizers over none of them
         self._families: dict[str, dict[str, int]] = {}  # family -> class -> count, from prepare
         self._dist: Any = None  # mixprec.distributed.runtime.Parallel after prepare(parallel=...), else None
         if self.recipe.stores_16bit:
@@ -199,6 +201,7 @@ class MixedPrecision:
                 model.forward = AutocastForward(model, self.device.type, self.policy.compute_dtype)  # type: ignore[method-assign]
         model._mixprec_recipe = self.recipe.name  # type: ignore[attr-defined]
         self._model_ref = weakref.ref(model)  # reset() clears its gradients
+        self._held.add(model)
         if self.nan_guard:
             from mixprec.diagnostics.guard import NanGuard  # a tool: imported only when asked for
 
@@ -268,6 +271,8 @@ class MixedPrecision:
         _check_max_grad_norm(max_grad_norm)
         _check_schedulers(scheduler)
         self._check_prepared()
+        if self.masters is None:  # (the masters check their optimizers themselves)
+            self._held.check(opts)
         loss32 = self._check_loss(loss)
         try:
             micro = loss32 / self.accumulate if self.accumulate > 1 else loss32

@@ -63,3 +63,7 @@ def fails_under_autocast() -> Task:
 
 def sized(width: int = 4) -> Task:
     return _task(build_model=lambda: nn.Sequential(nn.Linear(4, width), nn.Linear(width, 2)))
+
+
+def raises() -> Task:
+    raise RuntimeError("the factory's own bug")

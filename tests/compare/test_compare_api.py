@@ -26,7 +26,8 @@ def test_public_names_are_exported_and_compare_stays_a_function():
 
 def test_recipe_objects_and_aliases_are_accepted_and_deduplicated():
     noscale = dataclasses.replace(get_recipe("fp16-mixed"), name="fp16-noscale", loss_scaling="none")
-    result = compare(bad.healthy(), ("bf16", "bf16-mixed", noscale, "32-true"), **CPU)
+    with pytest.warns(UserWarning, match="'bf16' and 'bf16-mixed' name the same recipe"):
+        result = compare(bad.healthy(), ("bf16", "bf16-mixed", noscale, "32-true"), **CPU)
     assert list(result.verdicts) == ["bf16-mixed", "fp16-noscale"]  # fp32 is the reference, not a candidate
     assert result.run_for("fp16-noscale").loss_scaling == "none"
     assert len(result.runs) == 5

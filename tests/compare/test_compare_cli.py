@@ -67,6 +67,16 @@ def test_unusable_input_exits_2_with_a_clear_message(argv, message, capsys, tmp_
     assert not (tmp_path / "r").exists()  # failed before writing anything
 
 
+def test_a_factory_that_raises_is_named_and_traceback_shows_where(capsys):
+    code = main(["compare", "--task", "compare_bad_tasks:raises", "--out", ""])
+    err = capsys.readouterr().err
+    assert code == 2 and "task factory compare_bad_tasks:raises raised RuntimeError: the factory's own bug" in err
+    assert "--traceback" in err and "Traceback" not in err
+    code = main(["compare", "--task", "compare_bad_tasks:raises", "--out", "", "--traceback"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback (most recent call last)" in err and 'raise RuntimeError("the factory' in err
+
+
 def test_an_out_dir_under_a_file_exits_2_before_any_run(capsys, tmp_path):
     (tmp_path / "f").write_text("mine")
     code, _, err = _run(["--task", OVERFLOW, "--out", str(tmp_path / "f" / "r")], capsys)
@@ -123,9 +133,17 @@ def test_recipes_split_on_commas_except_inside_policy_strings():
     assert split_recipes(None) is None
     from mixprec.recipes import list_recipes
 
-    every = tuple(r.name for r in list_recipes())
-    assert split_recipes(["all"]) == every and "fp16-pure" in every
+    every = tuple(r.name for r in list_recipes() if not r.unsafe)
+    assert split_recipes(["all"]) == every and "bf16-true-kahan" in every and "fp8-delayed" in every
     assert split_recipes(["bf16-mixed,all"]) == every[1:2] + every[:1] + every[2:]  # each once, first mention first
+
+
+def test_all_leaves_out_the_unsafe_baselines_which_run_when_named_or_as_baselines():
+    # they fail by design: 'compare --recipes all' (a --help example) must show what a user expects
+    baselines = {"bf16-pure", "fp16-pure", "fp8-unscaled"}
+    assert not baselines & set(split_recipes(["all"]))
+    assert set(split_recipes(["baselines"])) == baselines
+    assert split_recipes(["all", "fp16-pure"])[-1] == "fp16-pure"
 
 
 def test_task_args_parse_python_literals_else_strings():
@@ -155,3 +173,13 @@ def test_builtin_task_on_cpu_defaults_to_one_thread():
 def test_split_names_keeps_a_policy_string_whole(text, names):
     assert split_names(text) == names
     assert split_recipes([text]) == tuple(names)
+
+
+def test_two_names_of_one_recipe_run_once_and_say_so():
+    import torch
+
+    from mixprec.comparison.api import _resolve_all
+
+    with pytest.warns(UserWarning, match=r"'fp8' and 'fp8-current' name the same recipe \(fp8-current\): it runs once"):
+        resolved = _resolve_all(["fp8", "bf16-mixed", "fp8-current"], torch.device("cpu"))
+    assert [r.name for r in resolved] == ["fp8-current", "bf16-mixed"]

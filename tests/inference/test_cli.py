@@ -76,6 +76,22 @@ def test_weights_that_do_not_fit_exit_2(tmp_path, capsys):
     assert "does not fit the task's model" in capsys.readouterr().err
 
 
+def test_a_whole_pickled_model_says_to_save_its_state_dict(tmp_path, capsys):
+    path = tmp_path / "whole.pt"
+    torch.save(torch.nn.Linear(2, 2), path)  # torch.save(model): a pickle weights_only=True refuses
+    assert main(["infer-check", *SMALL, "--weights", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "torch.save(model.state_dict(), path)" in err and "\x1b[" not in err and "Traceback" not in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_without_cuda_says_so_in_the_words_compare_uses(capsys):
+    assert main(["infer-check", *SMALL, "--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert "CUDA is not available in this torch build or machine. Use --device cpu." in err
+    assert "Torch not compiled" not in err
+
+
 def test_help_has_examples_and_the_gates(capsys):
     with pytest.raises(SystemExit):
         main(["infer-check", "--help"])

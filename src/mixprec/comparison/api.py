@@ -155,8 +155,13 @@ def _resolve_all(recipes: Sequence[str | Recipe], device: torch.device) -> list[
     if isinstance(recipes, (str, Recipe)):
         recipes = [recipes]
     resolved: list[Recipe] = []
+    asked: dict[str, str] = {}  # recipe name -> the first spelling that named it
     for spec in recipes:
         recipe = resolve_recipe(spec, device)
+        first = asked.setdefault(recipe.name, spec if isinstance(spec, str) else recipe.name)
+        if isinstance(spec, str) and spec != first:  # 'fp8' and 'fp8-current': one recipe, one row, said
+            warnings.warn(f"{first!r} and {spec!r} name the same recipe ({recipe.name}): it runs once, in one row",
+                          UserWarning, stacklevel=3)
         out = recipe.policy.output_dtype
         if isinstance(spec, str) and "=" in spec and out in (torch.float16, torch.bfloat16):
             warnings.warn(

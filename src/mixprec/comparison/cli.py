@@ -27,7 +27,8 @@ exit status: 0 all recipes track fp32; 1 some recipe does not; 2 the comparison 
 examples:
   mixprec compare
   mixprec compare --recipes bf16-mixed fp16-mixed --steps 300 --out my-report
-  mixprec compare --recipes all            # every recipe, the 16-bit storage ones included
+  mixprec compare --recipes all            # every recipe, the 16-bit storage and fp8 ones included
+  mixprec compare --recipes baselines      # the UNSAFE baselines (bf16-pure, fp16-pure, fp8-unscaled): they fail by design
   mixprec compare --task examples.compare_custom_task:make_task
   mixprec compare --task-arg d_model=64 --task-arg n_layer=4 --device cuda
   mixprec compare --quiet && echo "mixed precision is safe here"
@@ -43,7 +44,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="keyword argument for the task factory (repeatable), e.g. d_model=64")
     parser.add_argument("--recipes", nargs="+", default=None, metavar="RECIPE",
                         help="recipes to judge (names or jmp policy strings; commas also separate; 'all' for "
-                             "every registered recipe); "
+                             "every registered recipe but the unsafe baselines, 'baselines' for those); "
                              "default: fp32 bf16-mixed fp16-mixed. fp32 always runs as the reference")
     parser.add_argument("--steps", type=positive_int, default=None, help="optimizer steps per run (default: the task's)")
     parser.add_argument("--noise-seeds", type=positive_int, default=2, metavar="N",
@@ -119,11 +120,11 @@ def run(args: argparse.Namespace) -> int:
     except RunError as e:
         return error(f"{e}\n(an fp32 run failed, so nothing can be judged: debug the task in plain fp32 first)")
     except (TaskError, ValueError, FileExistsError, PermissionError, RuntimeError) as e:  # RuntimeError: a recipe this device cannot run
-        if args.traceback and e.__cause__ is not None:  # the task's own code raised: show where
+        if args.traceback:  # the task's own code raised (the cause): show where; else where mixprec refused
             import traceback
 
-            traceback.print_exception(e.__cause__)
-        return error(str(e))
+            traceback.print_exception(e.__cause__ if e.__cause__ is not None else e)
+        return error(str(e) + ("" if args.traceback or e.__cause__ is None else " (run with --traceback for the full traceback)"))
     except Exception as e:  # e.g. an exception raised while importing the task's module
         if args.traceback:
             raise

@@ -7,6 +7,7 @@ Exit codes: 0 every dtype agrees; 1 some dtype is degraded or broken; 2 the chec
 from __future__ import annotations
 
 import argparse
+import re
 from typing import Any
 
 from mixprec.arguments import count, parse_task_args, positive_int
@@ -147,8 +148,11 @@ def _check(args: argparse.Namespace, task_kwargs: dict[str, Any], classes: Any, 
         raise _Fail(str(e)) from None
     try:
         device = torch.device(args.device)
+        if device.type == "cuda" and not torch.cuda.is_available():  # the words compare and prepare use
+            raise _Fail(f"--device {args.device!r} was asked for, but CUDA is not available in this torch build "
+                        "or machine. Use --device cpu.")
         torch.empty(0, device=device)
-    except (RuntimeError, ValueError) as e:
+    except (RuntimeError, ValueError, AssertionError) as e:
         raise _Fail(f"--device {args.device!r} cannot be used here: {e}") from None
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -188,8 +192,13 @@ def _load_weights(model: Any, path: str) -> None:
     except FileNotFoundError:
         raise _Fail(f"--weights {path!r}: no such file") from None
     except Exception as e:
+        if "Weights only load failed" in str(e):  # a pickled object: most often torch.save(model)
+            raise _Fail(f"--weights {path!r} holds pickled Python objects (a whole model saved with "
+                        "torch.save(model)?), not a state_dict of tensors; mixprec never unpickles code. Save "
+                        "torch.save(model.state_dict(), path) and pass that file") from None
+        first = re.sub(r"\x1b\[[0-9;]*m", "", str(e)).splitlines()[0] if str(e) else ""  # (no terminal escapes)
         raise _Fail(f"--weights {path!r} cannot be read as a torch.save file of tensors: {type(e).__name__}: "
-                    f"{str(e).splitlines()[0] if str(e) else ''}") from None
+                    f"{first}") from None
     if isinstance(state, dict) and "model" in state and isinstance(state["model"], dict):
         state = state["model"]  # a checkpoint {"model": state_dict, "optimizer": ...}
     if not isinstance(state, dict):

@@ -17,6 +17,7 @@ import collections
 import math
 import warnings
 from collections import abc, defaultdict
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -25,6 +26,7 @@ from mixprec.scaling.bounds import OnFloor, _Bounds, _check_bounds, _is_power_of
 from mixprec.scaling.errors import ScalerConfigError, ScaleTypeError
 from mixprec.scaling.record import _StepRecord
 from mixprec.scaling.stages import _fresh_optimizer_state, _OptimizerStages
+from mixprec.scaling.validate import check_device, check_state_dict
 
 
 class GradScaler(_OptimizerStages, _Bounds, _StepRecord, torch.amp.GradScaler):
@@ -71,7 +73,7 @@ class GradScaler(_OptimizerStages, _Bounds, _StepRecord, torch.amp.GradScaler):
         # torch.amp.GradScaler.__init__ is not called: every method it would set up is defined
         # here or in the mixins. Subclassing keeps isinstance(scaler, torch.amp.GradScaler) true for
         # trainers that check. Every attribute of every mixin is set here.
-        self._device = str(device)
+        self._device = check_device(device)
         self._enabled = bool(enabled)
         if self._device == "cuda" and self._enabled and not torch.cuda.is_available():
             warnings.warn(
@@ -330,11 +332,12 @@ class GradScaler(_OptimizerStages, _Bounds, _StepRecord, torch.amp.GradScaler):
         """Load a state dict from this class or from ``torch.amp.GradScaler``."""
         if not self._enabled:
             return
-        if len(state_dict) == 0:
+        if isinstance(state_dict, Mapping) and len(state_dict) == 0:
             raise RuntimeError(
                 "The source state dict is empty, possibly because it was saved "
                 "from a disabled instance of GradScaler."
             )
+        state_dict = check_state_dict(state_dict)  # whole, before anything is assigned
         self._init_scale = state_dict["scale"]
         self._growth_factor = state_dict["growth_factor"]
         self._backoff_factor = state_dict["backoff_factor"]

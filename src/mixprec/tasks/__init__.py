@@ -129,13 +129,15 @@ def call_factory(spec: Any, kwargs: dict[str, Any], what: str, ready: str,
         if not explain_errors:
             raise
         raise _factory_error(label, kwargs, e) from e
-    except Exception as e:  # the factory's own code: name the arguments that went in (the traceback is the cause)
-        if not kwargs or not explain_errors:
+    except Exception as e:  # the factory's own code: name it and the arguments that went in (the traceback is the cause)
+        if not explain_errors:
             raise
         raise _factory_error(label, kwargs, e) from e
 
 
 def _factory_error(label: str, kwargs: dict[str, Any], e: Exception) -> TaskError:
+    if not kwargs:
+        return TaskError(f"task factory {label} raised {type(e).__name__}: {e}")
     given = ", ".join(f"{k}={v!r} ({type(v).__name__})" for k, v in kwargs.items())
     return TaskError(
         f"task factory {label} raised {type(e).__name__} with the arguments {given}: {e}. Check those "
