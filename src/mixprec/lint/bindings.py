@@ -18,6 +18,12 @@ fixed point, an arm that returns or raises contributes nothing after it. A bindi
 cannot see through (a parameter, a loop target, tuple unpacking, ``+=``, ``with ... as``, an
 import, a walrus) is ``UNKNOWN``; a name declared ``global``/``nonlocal`` is never resolved.
 The answer errs towards "cannot tell" (``None``), never towards a value that cannot be there.
+
+``names`` limits the walk to the names a rule will ask about, and ``window`` to the top-level
+statements where those names occur (nothing before the first binds them, nothing after the last
+reads them): a module's top level binds thousands of names, and carrying all of them through
+every statement would make the walk quadratic in the module's length. ``ScopeBindings`` builds
+one such walk per group of names, when it is first asked about.
 """
 
 from __future__ import annotations
@@ -60,7 +66,11 @@ def _target_names(target: ast.AST) -> list[str]:
 class Bindings:
     """The values each local name of one scope may hold before each of its statements."""
 
-    def __init__(self, scope: ast.FunctionDef | ast.AsyncFunctionDef | ast.Module):
+    def __init__(self, scope: ast.FunctionDef | ast.AsyncFunctionDef | ast.Module, names=None, window=None):
+        """``names``: the only names tracked (a set), or None for all of them. ``window``:
+        (first, last) index of the top-level statements of ``scope`` to walk, which must hold
+        every occurrence of the tracked names; None for all."""
+        self.names = None if names is None else frozenset(names)
         self.before: dict[int, State] = {}  # statement id -> state before it
         self.stmt_of: dict[int, ast.stmt] = {}  # node id -> the statement it belongs to
         self.origin: dict[int, ast.stmt] = {}  # assigned value id -> its assignment statement
@@ -71,18 +81,20 @@ class Bindings:
         if not isinstance(scope, ast.Module):
             a = scope.args
             for arg in (*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg):
-                if arg is not None:
+                if arg is not None and self._tracked(arg.arg):
                     start[arg.arg] = frozenset({UNKNOWN})
                     self.local.add(arg.arg)
-        self._block(scope.body, start)
+        first, last = window if window is not None else (0, len(scope.body) - 1)
+        self._block(scope.body[first : last + 1], start)
 
     # --- questions -------------------------------------------------------------------------
 
     def values(self, name: str, node: ast.AST) -> list[ast.expr] | None:
         """The values ``name`` may hold where ``node`` (an expression of this scope) runs:
         [] when the name is not bound in this scope (a global, a builtin), None when it
-        cannot be told (a binding not seen through, or ``node`` unreachable or unknown)."""
-        if name in self.escaped:
+        cannot be told (a binding not seen through, or ``node`` unreachable or unknown, or a
+        name not tracked)."""
+        if name in self.escaped or not self._tracked(name):
             return None
         if name not in self.local:
             return []
@@ -98,6 +110,9 @@ class Bindings:
     def statement(self, node: ast.AST) -> ast.stmt | None:
         return self.stmt_of.get(id(node))
 
+    def _tracked(self, name: str) -> bool:
+        return self.names is None or name in self.names
+
     # --- the walk --------------------------------------------------------------------------
 
     def _enter(self, stmt: ast.stmt, state: State, *headers: ast.AST) -> None:
@@ -110,6 +125,9 @@ class Bindings:
                 self.stmt_of[id(node)] = stmt
 
     def _bind(self, state: State, names, value=UNKNOWN) -> State:
+        names = [n for n in names if self._tracked(n)]
+        if not names:
+            return state  # states are never changed in place: sharing it is safe
         state = dict(state)
         for name in names:
             self.local.add(name)
@@ -141,7 +159,7 @@ class Bindings:
         state = self._walrus(state, value)
         for target in targets:
             if isinstance(target, ast.Name):
-                if value is None:  # ``x: int``: a declaration, no binding
+                if value is None or not self._tracked(target.id):  # ``x: int``: a declaration, no binding
                     continue
                 self.origin[id(value)] = stmt
                 state = self._bind(state, [target.id], value)
@@ -160,7 +178,7 @@ class Bindings:
             self._enter(stmt, state, stmt)
             state = dict(state)
             for target in stmt.targets:
-                if isinstance(target, ast.Name):
+                if isinstance(target, ast.Name) and self._tracked(target.id):
                     self.local.add(target.id)
                     state.pop(target.id, None)
             return state
@@ -245,3 +263,56 @@ class Bindings:
         after = _merge(*outs)
         final = self._block(stmt.finalbody, _merge(after, handler_in))
         return None if after is None else final
+
+
+class ScopeBindings:
+    """The bindings of one scope, walked per group of names: ``of(name)`` is a ``Bindings``
+    that tracks ``name`` and the names ``feeds`` says its values are built from, over the
+    top-level statements where any of them occurs."""
+
+    def __init__(self, scope: ast.FunctionDef | ast.AsyncFunctionDef | ast.Module, feeds=None):
+        self.scope = scope
+        self.feeds: dict[str, set[str]] = feeds or {}
+        self._span: dict[str, tuple[int, int]] = {}  # name -> first and last top-level statement
+        params = set()
+        if not isinstance(scope, ast.Module):
+            a = scope.args
+            params = {p.arg for p in (*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg) if p is not None}
+        for index, stmt in enumerate(scope.body):
+            for node in _walk_scope(stmt):
+                if isinstance(node, ast.Name):
+                    names = [node.id]
+                elif isinstance(node, (ast.Global, ast.Nonlocal)):
+                    names = node.names
+                elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node is not stmt:
+                    names = [node.name]
+                else:
+                    continue
+                for name in names:
+                    first, last = self._span.get(name, (0 if name in params else index, index))
+                    self._span[name] = (min(first, index), max(last, index))
+            if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                first, last = self._span.get(stmt.name, (index, index))
+                self._span[stmt.name] = (min(first, index), max(last, index))
+        self._walks: dict[frozenset, Bindings] = {}
+
+    def group(self, name: str) -> frozenset:
+        out, todo = set(), [name]
+        while todo:
+            current = todo.pop()
+            if current not in out:
+                out.add(current)
+                todo.extend(self.feeds.get(current, ()))
+        return frozenset(out)
+
+    def of(self, name: str) -> Bindings:
+        names = self.group(name)
+        found = self._walks.get(names)
+        if found is None:
+            spans = [self._span[n] for n in names if n in self._span]
+            window = (min(a for a, _ in spans), max(b for _, b in spans)) if spans else (0, -1)
+            found = self._walks[names] = Bindings(self.scope, names, window)
+        return found
+
+    def values(self, name: str, node: ast.AST) -> list[ast.expr] | None:
+        return self.of(name).values(name, node)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import ast
 
-from mixprec.lint.bindings import Bindings, _walk_scope
+from mixprec.lint.bindings import Bindings, ScopeBindings, _walk_scope
 from mixprec.lint.names import Script, key_of
 from mixprec.lint.report import Hit
 
@@ -51,19 +51,59 @@ class Checkpoints:
 
     def __init__(self, script: Script):
         self.script = script
-        self._bindings: dict[int, Bindings] = {}
+        self._bindings: dict[int, ScopeBindings] = {}
+        self._sites: dict[int, dict[str, list[tuple[ast.AST, bool]]]] = {}  # scope -> name -> change sites
 
     # --- scopes ----------------------------------------------------------------------------
 
     def scope(self, node: ast.AST) -> ast.AST:
         return self.script.owner(node) or self.script.tree
 
-    def bindings(self, node: ast.AST) -> Bindings:
-        """The bindings of the scope ``node`` is in (or is)."""
+    def bindings(self, node: ast.AST, name: str) -> Bindings:
+        """The bindings of ``name`` (and of the names its values are built from) in the scope
+        ``node`` is in (or is)."""
         scope = node if isinstance(node, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef)) else self.scope(node)
         found = self._bindings.get(id(scope))
         if found is None:
-            found = self._bindings[id(scope)] = Bindings(scope)
+            feeds: dict[str, set[str]] = {}
+            for n in _walk_scope(scope):
+                if isinstance(n, (ast.Assign, ast.AnnAssign)) and n.value is not None:
+                    read = {m.id for m in _walk_scope(n.value) if isinstance(m, ast.Name)}
+                    for target in n.targets if isinstance(n, ast.Assign) else [n.target]:
+                        if isinstance(target, ast.Name):
+                            feeds.setdefault(target.id, set()).update(read)
+            found = self._bindings[id(scope)] = ScopeBindings(scope, feeds)
+        return found.of(name)
+
+    def _change_sites(self, scope: ast.AST) -> dict[str, list[tuple[ast.AST, bool]]]:
+        """name -> (node, whether it is a call the name is passed to) for each place in the
+        scope that may change the dict the name holds; built once per scope."""
+        found = self._sites.get(id(scope))
+        if found is not None:
+            return found
+        found = self._sites[id(scope)] = {}
+        for node in _walk_scope(scope):
+            if isinstance(node, ast.Subscript) and isinstance(node.ctx, (ast.Store, ast.Del)):
+                if isinstance(node.value, ast.Name):
+                    found.setdefault(node.value.id, []).append((node, False))
+            elif isinstance(node, ast.Call):
+                func = node.func
+                receiver = None
+                if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name):
+                    receiver = func.value.id
+                    if func.attr not in _READ_ONLY:
+                        found.setdefault(receiver, []).append((node, False))
+                if isinstance(func, ast.Name) and func.id in _HARMLESS:
+                    continue
+                passed = {
+                    inner.id
+                    for arg in (*node.args, *(kw.value for kw in node.keywords))
+                    for inner in [arg.value if isinstance(arg, ast.Starred) else arg]
+                    if isinstance(inner, ast.Name)
+                }
+                for name in passed:
+                    if not (name == receiver and func.attr not in _READ_ONLY):
+                        found.setdefault(name, []).append((node, True))
         return found
 
     # --- what is saved ---------------------------------------------------------------------
@@ -144,22 +184,9 @@ class Checkpoints:
         dicts that reach the save), only a site where one of them, or a value not seen through,
         may be what ``name`` holds counts: handing the loaded checkpoint of a resume branch to
         a function does not change the dict saved later."""
-        bindings = self.bindings(scope) if saved is not None else None
-        for node in _walk_scope(scope):
-            site = False
-            if isinstance(node, ast.Subscript) and isinstance(node.ctx, (ast.Store, ast.Del)):
-                site = isinstance(node.value, ast.Name) and node.value.id == name
-            elif isinstance(node, ast.Call):
-                func = node.func
-                if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == name:
-                    site = func.attr not in _READ_ONLY
-                if not site and id(node) not in allowed and not (isinstance(func, ast.Name) and func.id in _HARMLESS):
-                    site = any(
-                        isinstance(inner, ast.Name) and inner.id == name
-                        for arg in (*node.args, *(kw.value for kw in node.keywords))
-                        for inner in [arg.value if isinstance(arg, ast.Starred) else arg]
-                    )
-            if not site:
+        bindings = self.bindings(scope, name) if saved is not None else None
+        for node, passed in self._change_sites(scope).get(name, ()):
+            if passed and id(node) in allowed:
                 continue
             if bindings is None:
                 return True
@@ -174,7 +201,7 @@ class Checkpoints:
             return None
         script = self.script
         if isinstance(expr, ast.Name):
-            values = self.bindings(expr).values(expr.id, expr)
+            values = self.bindings(expr, expr.id).values(expr.id, expr)
             if values == []:  # not bound in this scope: the file's one value for it, if any
                 single = script.single_value(expr) if self.scope(expr) is not script.tree else None
                 values = [single] if single is not None else None
@@ -283,7 +310,7 @@ class Checkpoints:
             if not dicts or not all(_lacks_scaler_state(script, d) for d in dicts):
                 continue
             if isinstance(saved, ast.Name):
-                reaching = self.bindings(call).values(saved.id, saved) or []
+                reaching = self.bindings(call, saved.id).values(saved.id, saved) or []
                 if self._changed(saved.id, self.scope(call), save_ids, {id(v) for v in reaching}):
                     continue
             seen = frozenset(id(v) for d in dicts for v in d.values())

@@ -7,6 +7,8 @@ or a scaler is handed to code that cannot be read, the rule does not report.
 from __future__ import annotations
 
 import ast
+import bisect
+from collections import defaultdict
 
 from mixprec.lint.checkpoints import checkpoint_hits, method_calls
 from mixprec.lint.coverage import coverage_hits
@@ -35,10 +37,21 @@ def _via(event: Event) -> str:
     return f" (in {ast.unparse(event.site.func)}())" if event.site is not None else ""
 
 
-def _before(events: list[Event], kind: str, later: Event) -> Event | None:
-    """The last ``kind`` event that runs before ``later`` in the same pass."""
-    found = [e for e in events if e.kind == kind and e.order < later.order and not exclusive(e, later)]
-    return found[-1] if found else None
+def _before(events: list[Event], later: Event) -> Event | None:
+    """The last of ``events`` (in order) that runs before ``later`` in the same pass."""
+    for e in reversed(events[: bisect.bisect_left(events, later.order, key=_order)]):
+        if not exclusive(e, later):
+            return e
+    return None
+
+
+def _between(events: list[Event], first: Event, later: Event) -> list[Event]:
+    """The ``events`` (in order) strictly between ``first`` and ``later``."""
+    return events[bisect.bisect_right(events, first.order, key=_order) : bisect.bisect_left(events, later.order, key=_order)]
+
+
+def _order(event: Event) -> int:
+    return event.order
 
 
 class FunctionChecks:
@@ -48,9 +61,17 @@ class FunctionChecks:
         self.script = script
         self.events = events
         self.hits: list[Hit] = []
+        # the events by kind and by (kind, scaler), in order: the rules look events up here
+        # instead of scanning them all for every event, which is quadratic in a long module
+        self._kinds: dict[str, list[Event]] = defaultdict(list)
+        self._scalers: dict[tuple[str, str | None], list[Event]] = defaultdict(list)
+        for e in events:
+            self._kinds[e.kind].append(e)
+            self._scalers[e.kind, e.scaler].append(e)
 
-    def of(self, kind: str) -> list[Event]:
-        return [e for e in self.events if e.kind == kind]
+    def of(self, kind: str, scaler: str | None = "") -> list[Event]:
+        """The ``kind`` events in order; with ``scaler``, only those of that scaler."""
+        return self._kinds.get(kind, []) if scaler == "" else self._scalers.get((kind, scaler), [])
 
     def hit(self, code: str, node: ast.AST | None, message: str) -> None:
         if node is not None:
@@ -77,7 +98,7 @@ class FunctionChecks:
 
     def scaled_backward_before(self, event: Event) -> Event | None:
         """The backward() that produced the gradients ``event`` sees, when a live scaler scaled it."""
-        back = _before(self.events, "backward", event)
+        back = _before(self.of("backward"), event)
         if back is None or back.loss != "scaled" or not self.live(back.scaler):
             return None
         return back
@@ -87,10 +108,10 @@ class FunctionChecks:
             back = self.scaled_backward_before(clip)
             if back is None:
                 continue
-            unscales = [e for e in self.of("unscale") if e.scaler == back.scaler]
-            if any(back.order < u.order < clip.order and not exclusive(u, clip) for u in unscales):
+            unscales = self.of("unscale", back.scaler)
+            if any(not exclusive(u, clip) for u in _between(unscales, back, clip)):
                 continue
-            later = any(u.order > clip.order for u in unscales)
+            later = bool(unscales) and unscales[-1].order > clip.order
             what = (
                 f"clipped before {back.scaler}.unscale_()"
                 if later
@@ -122,10 +143,7 @@ class FunctionChecks:
                 continue
             if any(isinstance(p, Branch) and p.guard and p not in back.path for p in step.path):
                 continue  # a hand-written inf check decides the step
-            unscaled = [
-                u for u in self.of("unscale")
-                if u.scaler == back.scaler and back.order < u.order < step.order and not exclusive(u, step)
-            ]
+            unscaled = [u for u in _between(self.of("unscale", back.scaler), back, step) if not exclusive(u, step)]
             if unscaled:  # the gradients have the right size, but nothing skips an inf/NaN step
                 what = (
                     f"{step.target}.step() called directly after {back.scaler}.unscale_(): an inf/NaN "
@@ -136,6 +154,13 @@ class FunctionChecks:
             self.hit("MP103", place(step, back), f"{what}; use {back.scaler}.step({step.target}){_via(step)}")
 
     def update_outside_loop(self) -> None:  # MP104 (the in-function half)
+        updated_in: dict[str | None, set] = defaultdict(set)  # scaler -> the loops it is updated in
+        for u in self.of("update"):
+            updated_in[u.scaler].update(u.loops)
+        escapes_in = defaultdict(list)  # loop -> the escapes inside it
+        for e in self.of("escape"):
+            for lp in e.loops:
+                escapes_in[lp].append(e)
         for step in self.of("scaler_step"):
             if not self.live(step.scaler):
                 continue
@@ -144,10 +169,10 @@ class FunctionChecks:
             if not loops:
                 continue
             loop = loops[-1]
-            updates = [e for e in self.of("update") if e.scaler == step.scaler]
-            if not updates or any(loop in u.path for u in updates):
+            updates = self.of("update", step.scaler)
+            if not updates or loop in updated_in[step.scaler]:
                 continue
-            if any(loop in e.path and _may_reach(e, step.scaler) for e in self.of("escape")):
+            if any(_may_reach(e, step.scaler) for e in escapes_in.get(loop, ())):
                 continue
             self.hit(
                 "MP104",
@@ -156,25 +181,27 @@ class FunctionChecks:
             )
 
     def update_twice(self) -> None:  # MP105
-        updates = self.of("update")
-        reported: set[int] = set()
-        for i, second in enumerate(updates):
-            for first in updates[:i]:
-                if first.scaler != second.scaler or first.loops != second.loops or exclusive(first, second):
-                    continue
-                if id(second.node) not in reported:
-                    reported.add(id(second.node))
+        groups: dict[tuple, list[Event]] = defaultdict(list)  # (scaler, loops) -> updates in order
+        for update in self.of("update"):
+            groups[update.scaler, update.loops].append(update)
+        for updates in groups.values():
+            for i, second in enumerate(updates):
+                first = next((f for f in updates[:i] if not exclusive(f, second)), None)
+                if first is not None:
                     self.hit(
                         "MP105",
                         place(second, first),
                         f"{second.scaler}.update() called again in the same step (first on line "
                         f"{(first.site or first.node).lineno}){_via(second)}",
                     )
-        for update in updates:
-            for step in self.of("scaler_step"):
-                root = (step.target or "").split(".")[0]
-                loop = next((lp for lp in update.loops if root in lp.targets and lp in step.path), None)
-                if loop is not None and step.scaler == update.scaler:
+        steps_in: dict[tuple, list[Event]] = defaultdict(list)  # (scaler, loop) -> scaler steps in it
+        for step in self.of("scaler_step"):
+            for lp in step.loops:
+                steps_in[step.scaler, lp].append(step)
+        for update in self.of("update"):
+            for lp in update.loops:
+                if any((s.target or "").split(".")[0] in lp.targets for s in steps_in.get((update.scaler, lp), ())):
+                    step = next(s for s in steps_in[update.scaler, lp] if (s.target or "").split(".")[0] in lp.targets)
                     self.hit(
                         "MP105",
                         place(update, step),
@@ -187,16 +214,17 @@ class FunctionChecks:
         """``scaler.step(opt)`` and ``opt.step()`` on one optimizer in one pass, with no backward()
         between them that could run in that pass: the second applies the same gradients again."""
         backs = self.of("backward")
+        directs: dict[tuple, list[Event]] = defaultdict(list)  # (optimizer, loops) -> its direct steps
+        for direct in self.of("opt_step"):
+            directs[direct.target, direct.loops].append(direct)
         reported: set[int] = set()
         for via_scaler in self.of("scaler_step"):
-            for direct in self.of("opt_step"):
-                if direct.target != via_scaler.target or direct.loops != via_scaler.loops:
-                    continue
+            for direct in directs.get((via_scaler.target, via_scaler.loops), ()):
                 a, b = sorted((via_scaler, direct), key=lambda e: e.order)
                 if exclusive(a, b) or opposite_arms(a, b) or id(direct.node) in reported:
                     continue
-                if any(a.order < k.order < b.order and not exclusive(a, k) and not exclusive(k, b)
-                       and not opposite_arms(a, k) and not opposite_arms(k, b) for k in backs):
+                if any(not exclusive(a, k) and not exclusive(k, b) and not opposite_arms(a, k)
+                       and not opposite_arms(k, b) for k in _between(backs, a, b)):
                     continue  # a new backward() in between: two steps for two gradients
                 reported.add(id(direct.node))
                 self.hit(
@@ -226,14 +254,15 @@ class FunctionChecks:
         plain = [b for b in backs if b.loss == "plain" or (b.loss == "scaled" and not self.live(b.scaler))]
         scaler_used = scaled or any(e.kind in ("scaler_step", "unscale", "update", "escape") for e in self.events)
         # a region and a backward() that cannot run in one pass (``if amp:`` ... ``else:``) are no pair
-        pairs = [
+        pairs = (
             (r, b)
             for r in fp16
             for b in plain
             if not (exclusive(r, b) if r.order < b.order else exclusive(b, r)) and not opposite_arms(r, b)
-        ]
-        if pairs and not scaler_used:
-            region, back = pairs[0]
+        )
+        pair = None if scaler_used else next(pairs, None)
+        if pair is not None:
+            region, back = pair
             self.hit(
                 "MP108",
                 place(region, back),
@@ -246,11 +275,12 @@ class FunctionChecks:
         return self.script.without_grad(e.node) or (e.site is not None and self.script.without_grad(e.site))
 
     def step_on_unscaled(self) -> None:  # MP112
+        scaled = {b.scaler for b in self.of("backward") if b.loss == "scaled"}
         for step in self.of("scaler_step"):
-            back = _before(self.events, "backward", step)
+            back = _before(self.of("backward"), step)
             if back is None or back.loss != "plain" or not self.live(step.scaler):
                 continue
-            if any(b.loss == "scaled" and b.scaler == step.scaler for b in self.of("backward")):
+            if step.scaler in scaled:
                 continue
             self.hit(
                 "MP112",
@@ -264,6 +294,11 @@ class FunctionChecks:
         """``scaler.unscale_(opt)`` on every iteration of a micro-batch loop (a backward() on
         every iteration too) while ``update()`` runs only at the accumulation boundary (an ``if``
         on the loop's counter) or after the loop: the second micro-batch raises."""
+        jumps_in, backs_in = defaultdict(list), defaultdict(list)  # loop -> its jumps / backward()s
+        for kind, index in (("jump", jumps_in), ("backward", backs_in)):
+            for e in self.of(kind):
+                for lp in e.loops:
+                    index[lp].append(e)
         for unscale in self.of("unscale"):
             if not self.live(unscale.scaler):
                 continue
@@ -274,11 +309,11 @@ class FunctionChecks:
             loop = loops[-1]
             if _at_boundary(unscale.path, loop):
                 continue  # unscaled only on the iterations that step
-            if any(loop in j.path and j.order < unscale.order for j in self.of("jump")):
+            if any(j.order < unscale.order for j in jumps_in.get(loop, ())):
                 continue  # an early continue/return: what follows may run only at the boundary
-            if not any(loop in b.path and not _at_boundary(b.path, loop) for b in self.of("backward")):
+            if not any(not _at_boundary(b.path, loop) for b in backs_in.get(loop, ())):
                 continue
-            updates = [u for u in self.of("update") if u.scaler == unscale.scaler]
+            updates = self.of("update", unscale.scaler)
             inside = [u for u in updates if loop in u.path and not _exclusive_either(unscale, u)]
             if inside:
                 if not all(_at_boundary(u.path, loop) for u in inside):
@@ -286,7 +321,7 @@ class FunctionChecks:
                 update, where = inside[0], "only at the accumulation boundary"
             else:
                 after = [u for u in updates if u.order > unscale.order and not _exclusive_either(unscale, u)]
-                steps = [e for e in self.of("scaler_step") if e.scaler == unscale.scaler and loop in e.path]
+                steps = [e for e in self.of("scaler_step", unscale.scaler) if loop in e.path]
                 if not after or steps or any(loop in u.path for u in updates):
                     continue
                 update, where = after[0], "after the micro-batch loop"

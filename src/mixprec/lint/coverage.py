@@ -19,8 +19,8 @@ from __future__ import annotations
 import ast
 import builtins
 
-from mixprec.lint.bindings import Bindings, _walk_scope
-from mixprec.lint.names import Script, key_of
+from mixprec.lint.bindings import ScopeBindings, _walk_scope
+from mixprec.lint.names import Script, _line_table, key_of
 from mixprec.lint.report import Hit
 
 _F_LOSSES = frozenset(
@@ -49,20 +49,29 @@ _SIMPLE = (ast.Assign, ast.AnnAssign, ast.AugAssign, ast.Expr, ast.Pass)
 class _Coverage:
     def __init__(self, script: Script):
         self.script = script
-        self.ranges = []  # (first, last line) of every autocast with-body and decorated function
+        ranges = []  # (first, last line) of every autocast with-body and decorated function
         for node in script.nodes:
             if isinstance(node, (ast.With, ast.AsyncWith)) and any(script.autocast(i.context_expr) for i in node.items):
-                self.ranges.append((node.lineno, node.end_lineno))
+                ranges.append((node.lineno, node.end_lineno))
             elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 if any(script.autocast(d) for d in node.decorator_list):
-                    self.ranges.append((node.lineno, node.end_lineno))
+                    ranges.append((node.lineno, node.end_lineno))
+        # line -> how many regions hold it, and the innermost one: covered() in constant time
+        size = max((r[1] for r in ranges), default=0) + 2
+        self.depth = [0] * size
+        for first, last in ranges:
+            for line in range(first, last + 1):
+                self.depth[line] += 1
+        self.inner = _line_table(((a, b, (a, b)) for a, b in ranges), size)
 
     def covered(self, node: ast.AST, outer: ast.AST | None = None) -> bool:
         """Whether ``node`` lies in an autocast region (other than ``outer`` itself)."""
-        return any(
-            first <= node.lineno <= last and not (outer is not None and first == outer.lineno and last == outer.end_lineno)
-            for first, last in self.ranges
-        )
+        line = node.lineno
+        if line >= len(self.depth) or self.depth[line] == 0:
+            return False
+        if outer is None or self.depth[line] > 1:
+            return True
+        return self.inner[line] != (outer.lineno, outer.end_lineno)
 
     def loss_name(self, call: ast.Call) -> str | None:
         script, func = self.script, call.func
@@ -97,7 +106,7 @@ class _Coverage:
             and func.attr not in script.methods and func.attr not in script.functions
         )
 
-    def check(self, stmt: ast.With, bindings: Bindings) -> Hit | None:
+    def check(self, stmt: ast.With, bindings: ScopeBindings) -> Hit | None:
         script = self.script
         regions = [script.autocast(i.context_expr) for i in stmt.items]
         if not any(r is not None and r.enabled is not False and r.dtype not in ("fp32", "fp64") for r in regions):
@@ -123,7 +132,7 @@ class _Coverage:
                 values = bindings.values(arg.id, arg)
                 if not values or len(values) != 1 or not self.forward(values[0]):
                     continue
-                origin = bindings.origin.get(id(values[0]))
+                origin = bindings.of(arg.id).origin.get(id(values[0]))
                 if origin is None or self.covered(origin) or script.without_grad(origin):
                     continue
                 return Hit(
@@ -146,11 +155,11 @@ def coverage_hits(script: Script) -> list[Hit]:  # MP115
         withs = [n for n in _walk_scope(scope) if isinstance(n, ast.With)]
         if not withs:
             continue
-        bindings = None
-        for stmt in withs:
-            if not any(script.autocast(i.context_expr) for i in stmt.items):
-                continue
-            bindings = bindings or Bindings(scope)
+        regions = [w for w in withs if any(script.autocast(i.context_expr) for i in w.items)]
+        if not regions:
+            continue
+        bindings = ScopeBindings(scope)
+        for stmt in regions:
             hit = coverage.check(stmt, bindings)
             if hit is not None:
                 hits.append(hit)

@@ -126,7 +126,7 @@ class Script:
                 k = key_of(node)
                 if k is not None:
                     self._stores[k] = self._stores.get(k, 0) + 1
-        self._grad_modes = self._grad_mode_ranges()
+        self._grad_lines = _line_table(((a, b, mode) for a, b, mode in self._grad_mode_ranges()), self._lines)
         self.scaler_enabled_by_key = self._scaler_constructions()
         self.scaler_keys = set(self.scaler_enabled_by_key) | self._inferred_scalers()
         self.optimizer_keys = self._optimizers()
@@ -166,6 +166,11 @@ class Script:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and id(node) not in methods:
                 self.functions.setdefault(node.name, []).append(node)
         self._defs = [f for fs in (*self.functions.values(), *self.methods.values()) for f in fs]
+        # line -> the innermost def / class around it: owner() in constant time, so that rules
+        # asking it for every call stay linear in the file's length
+        self._lines = max((getattr(n, "end_lineno", 0) or 0 for n in self.tree.body), default=0) + 2
+        self._def_lines = _line_table(((f.lineno, f.end_lineno, f) for f in self._defs), self._lines)
+        self._class_lines = _line_table(((c.lineno, c.end_lineno, c) for c in self._classdefs), self._lines)
         for name, targets in seen.items():
             if len({canonical(t) for t in targets}) > 1:
                 self.deprecated_shims.add(name)
@@ -374,7 +379,7 @@ class Script:
 
     def _grad_mode_ranges(self) -> list[tuple[int, int, bool]]:
         """(first line, last line, grad enabled) of every ``with`` body and decorated function
-        that sets the grad mode, innermost last when sorted by first line."""
+        that sets the grad mode."""
         ranges = []
         for node in self.nodes:
             if isinstance(node, (ast.With, ast.AsyncWith)) and node.body:
@@ -387,27 +392,22 @@ class Script:
                     mode = self._grad_mode(dec)
                     if mode is not None:
                         ranges.append((node.body[0].lineno, node.end_lineno, mode))
-        return sorted(ranges)
+        return ranges
 
     def without_grad(self, node: ast.AST) -> bool:
         """Whether ``node`` runs with gradients off for certain: inside ``with torch.no_grad():``
         (or ``inference_mode``, ``set_grad_enabled(False)``) or a function decorated with one,
         and no ``enable_grad`` closer in."""
         line = getattr(node, "lineno", None)
-        mode = None
-        for first, last_line, enabled in self._grad_modes:
-            if line is not None and first <= line <= last_line:
-                mode = enabled  # sorted by first line: the last match is the innermost
-        return mode is False
+        return line is not None and line < len(self._grad_lines) and self._grad_lines[line] is False
 
     def owner(self, node: ast.AST, kinds=(ast.FunctionDef, ast.AsyncFunctionDef)) -> ast.AST | None:
         """The innermost definition of ``kinds`` whose lines contain ``node``; None at module level."""
-        best = None
-        for candidate in self._classdefs if kinds is ast.ClassDef else self._defs:
-            if isinstance(candidate, kinds) and candidate.lineno <= node.lineno <= candidate.end_lineno:
-                if best is None or candidate.lineno >= best.lineno:
-                    best = candidate
-        return best
+        line = getattr(node, "lineno", None)
+        table = self._class_lines if kinds is ast.ClassDef else self._def_lines
+        if line is None or line >= len(table):
+            return None
+        return table[line]
 
     def same_scope(self, a: ast.AST, b: ast.AST, k: str) -> bool:
         """Whether ``k`` at ``a`` and at ``b`` can be one object: one function (or both at module
@@ -422,6 +422,16 @@ class Script:
             if target == "torch" and self.aliases.get(name) == "torch":
                 return name
         return None
+
+
+def _line_table(ranges, size: int) -> list:
+    """[line] -> the value of the innermost (first line, last line, value) range holding that
+    line (None where none does). Ranges nest or are disjoint; of two starting on one line the
+    shorter is the inner one."""
+    table: list = [None] * size
+    for first, last_line, value in sorted(ranges, key=lambda r: (r[0], -r[1])):
+        table[first : last_line + 1] = [value] * (last_line + 1 - first)
+    return table
 
 
 def canonical(name: str) -> str:
