@@ -1,124 +1,156 @@
-"""What the NaN guard costs: step time with ``MixedPrecision(nan_guard=True)`` relative to off.
+"""What the NaN guard costs: step time with each guard mode relative to no guard, on several models.
 
-Two identical models (same seed) train on the built-in task; their steps are interleaved
-(off, on, off, on, ...) so load from other processes hits both alike. Prints the median step time
-of each, the ratio (the target is under 1.5x), and the hooks each model carries: exactly zero
-when the guard is off (for recipes that add none themselves, such as fp32).
+For each model, identical copies (same seed) train side by side: no guard, ``trace="on-fault"``
+(the cheap check per pass, ``MixedPrecision(nan_guard=True)``'s default) and ``trace="every-step"``
+(the full trace). Rounds interleave the arms, the order rotated by one each round, so load from
+other processes hits every arm alike; the ratio to the unguarded step is formed per round and
+reported as its median with a 95% bootstrap interval. The machine load (``uptime``) is recorded
+before and after. One command, one JSON:
 
-    python benchmarks/guard_overhead.py                     # fp32 on the CPU
-    python benchmarks/guard_overhead.py --recipe bf16-mixed --device cuda --steps 50
-    python benchmarks/guard_overhead.py --model gpt2 --batch-size 4 --seq-len 32   # a tiny Hugging Face model
+    python benchmarks/guard_overhead.py                                 # gpt2, bert, llama at width 64
+    python benchmarks/guard_overhead.py --models builtin gpt2 --width 256 --layers 4 --batch-size 8 --seq-len 128
+    python benchmarks/guard_overhead.py --recipe bf16-mixed --device cuda --rounds 50
+    python benchmarks/guard_overhead.py --arms off every-step --no-ops  # what one part of the full trace costs
 
-``--model gpt2|bert|llama|t5`` builds a small Hugging Face model from a config (transformers
-installed; no download): 2 layers, width 64, vocabulary 1000, trained on random tokens with the
-model's own language-modelling loss (``--width``/``--layers`` for another size).
+``--models`` takes ``builtin`` (the built-in char GPT) and tiny Hugging Face models built from a
+config (``gpt2 bert llama t5``; transformers installed, no download): 2 layers, width 64,
+vocabulary 1000, random tokens, the model's own language-modelling loss.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 import mixprec
 from mixprec.diagnostics._trace import hook_count
+from mixprec.instruments.machine import environment
+from mixprec.instruments.timing import Summary, interleaved_order, paired_ratio, synchronize
 from mixprec.tasks import load_task, to_device
 
+ARMS = ("off", "on-fault", "every-step")
+RESULTS = Path(__file__).resolve().parent / "results"
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+
+def uptime() -> str:
+    try:
+        return subprocess.run(["uptime"], capture_output=True, text=True, timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--models", nargs="+", default=["gpt2", "bert", "llama"],
+                   choices=("builtin", "gpt2", "bert", "llama", "t5"))
+    p.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS, help="off is the baseline and always runs")
     p.add_argument("--recipe", default="fp32")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--steps", type=int, default=20, help="timed steps per side")
+    p.add_argument("--rounds", type=int, default=30, help="interleaved rounds (one step per arm each)")
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--threads", type=int, default=0, help="torch threads on the CPU (0: leave as is)")
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=32)
+    p.add_argument("--threads", type=int, default=1, help="torch threads on the CPU (0: leave as is)")
     p.add_argument("--ops", action=argparse.BooleanOptionalAction, default=True,
-                   help="nan_guard(ops=...): watch each torch call, not only module outputs")
+                   help="every-step: nan_guard(ops=...): watch each torch call, not only module outputs")
     p.add_argument("--backward", action=argparse.BooleanOptionalAction, default=True,
-                   help="nan_guard(backward=...): watch the gradients through each autograd node")
+                   help="every-step: nan_guard(backward=...): watch the gradients through each autograd node")
     p.add_argument("--locate", action=argparse.BooleanOptionalAction, default=True,
-                   help="nan_guard(locate=...): note each op's source line")
-    p.add_argument("--model", default="builtin", choices=("builtin", "gpt2", "bert", "llama", "t5"),
-                   help="the built-in char GPT, or a tiny Hugging Face model built from a config")
-    p.add_argument("--width", type=int, default=64, help="--model: hidden size (default 64)")
-    p.add_argument("--layers", type=int, default=2, help="--model: layers (default 2)")
-    p.add_argument("--profile", default=None, metavar="FILE", help="write a cProfile of the guarded steps here")
-    p.add_argument("--json", action="store_true")
+                   help="every-step: nan_guard(locate=...): note each op's source line")
+    p.add_argument("--width", type=int, default=64, help="hidden size of the Hugging Face models (default 64)")
+    p.add_argument("--layers", type=int, default=2, help="their layers (default 2)")
+    p.add_argument("--profile", default=None, metavar="FILE", help="write a cProfile of the every-step arm here")
+    p.add_argument("--json", default=str(RESULTS / "guard_overhead.json"), help="where the results go ('' for none)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    task = load_task(None, batch_size=args.batch_size, seq_len=args.seq_len) if args.model == "builtin" \
-        else hf_task(args.model, args.batch_size, args.seq_len, args.width, args.layers)
+    arms = ["off"] + [a for a in args.arms if a != "off"]
+    load_before = uptime()
+    print(f"load before: {load_before}", file=sys.stderr)
+    results = [run_model(m, arms, args, device) for m in args.models]
+    out = {"machine": environment(device), "uptime_before": load_before, "uptime_after": uptime(),
+           "args": vars(args), "results": results}
+    print(f"\nrecipe {results[0]['recipe']} on {device}, B={args.batch_size} T={args.seq_len}, "
+          f"{torch.get_num_threads()} thread(s), {args.rounds} interleaved rounds; ratio = median of per-round "
+          "ratios to no guard (95% CI)")
+    print("| model | size | off ms | " + " | ".join(f"{a} ms | {a} ratio" for a in arms[1:]) + " | hooks on-fault / every-step |")
+    print("|---|---|---|" + "---|---|" * (len(arms) - 1) + "---|")
+    for r in results:
+        cells = [f"{r['arms'][a]['ms']:.2f} | **{r['arms'][a]['ratio']['median']:.3f}** "
+                 f"({r['arms'][a]['ratio']['ci95_low']:.3f}-{r['arms'][a]['ratio']['ci95_high']:.3f})" for a in arms[1:]]
+        hooks = " / ".join(str(r["arms"][a]["hooks"]) for a in arms[1:])
+        print(f"| {r['model']} | {r['size']} | {r['arms']['off']['ms']:.2f} | " + " | ".join(cells) + f" | {hooks} |")
+    print(f"load after: {out['uptime_after']}")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(out, indent=1))
+        print(f"wrote {args.json}")
+    return out
 
+
+def run_model(kind: str, arms: list[str], args: argparse.Namespace, device: torch.device) -> dict:
+    task = load_task(None, batch_size=args.batch_size, seq_len=args.seq_len) if kind == "builtin" \
+        else hf_task(kind, args.batch_size, args.seq_len, args.width, args.layers)
     sides = {}
-    for guarded in (False, True):
+    for arm in arms:
         torch.manual_seed(0)
         model = task.build_model().to(device)
-        guard = {"mode": "raise", "ops": args.ops, "backward": args.backward, "locate": args.locate}
-        mp = mixprec.MixedPrecision(args.recipe, device, nan_guard=guard if guarded else False)
+        flag = False if arm == "off" else {"mode": "raise", "trace": arm, "ops": args.ops,
+                                           "backward": args.backward, "locate": args.locate}
+        mp = mixprec.MixedPrecision(args.recipe, device, nan_guard=flag)
         mp.prepare(model)
-        sides[guarded] = (model, mp, task.build_optimizer(model.parameters()), [])
+        sides[arm] = (model, mp, task.build_optimizer(model.parameters()))
 
-    def step(guarded: bool, i: int) -> float:
-        model, mp, opt, _ = sides[guarded]
+    def step(arm: str, i: int) -> float:
+        model, mp, opt = sides[arm]
         inputs, targets = to_device(task.get_batch(i), device)
-        _sync(device)
+        synchronize(device)
         t0 = time.perf_counter()
         with mp.autocast():
             loss = task.loss_fn(task.run_forward(model, inputs), targets)
         mp.step(loss, opt, max_grad_norm=task.max_grad_norm)
-        _sync(device)
+        synchronize(device)
         return time.perf_counter() - t0
 
+    for i in range(args.warmup):
+        for arm in arms:
+            step(arm, i)
     profiler = None
-    for i in range(args.warmup + args.steps):
-        for guarded in (False, True):
-            if guarded and args.profile and i == args.warmup:
-                import cProfile
+    if args.profile and "every-step" in arms:
+        import cProfile
 
-                profiler = cProfile.Profile()
-            if guarded and profiler is not None:
-                profiler.enable()
-            dt = step(guarded, i)
-            if guarded and profiler is not None:
-                profiler.disable()
-            if i >= args.warmup:
-                sides[guarded][3].append(dt)
+        profiler = cProfile.Profile()
+    times: dict[str, list[float]] = {a: [] for a in arms}
+    for rnd, arm in interleaved_order(arms, args.rounds):
+        if profiler is not None and arm == "every-step":
+            profiler.enable()
+        times[arm].append(step(arm, args.warmup + rnd))
+        if profiler is not None and arm == "every-step":
+            profiler.disable()
     if profiler is not None:
         profiler.dump_stats(args.profile)
-    off = statistics.median(sides[False][3])
-    on = statistics.median(sides[True][3])
-    result = {
-        "model": args.model, "recipe": mixprec.resolve_recipe(args.recipe, device).name, "device": str(device),
-        "batch_size": args.batch_size, "seq_len": args.seq_len, "threads": torch.get_num_threads(),
-        "guard_options": {"ops": args.ops, "backward": args.backward, "locate": args.locate},
-        "steps": args.steps, "off_ms": off * 1e3, "on_ms": on * 1e3, "ratio": on / off,
-        "hooks_off": hook_count(sides[False][0]), "hooks_on": hook_count(sides[True][0]),
-        "guard_checks": sides[True][1].guard.checks, "guard_events": len(sides[True][1].guard.events),
-    }
-    if args.json:
-        print(json.dumps(result, indent=2))
-    else:
-        print(f"{args.model} task, recipe {result['recipe']} on {device}, B={args.batch_size} T={args.seq_len}, "
-              f"{result['threads']} thread(s), median of {args.steps} interleaved steps")
-        print(f"  guard off: {off * 1e3:8.2f} ms/step   hooks on the model: {result['hooks_off']}")
-        opts = ", ".join(f"{k}={v}" for k, v in result["guard_options"].items())
-        print(f"  guard on:  {on * 1e3:8.2f} ms/step   ({opts})")
-        print(f"             hooks on the model: {result['hooks_on']}   "
-              f"checks: {result['guard_checks']} (host syncs), events: {result['guard_events']}")
-        print(f"  ratio on/off: {result['ratio']:.2f}x  (target < 1.5x)")
-    return result
+    res = {"model": kind, "recipe": mixprec.resolve_recipe(args.recipe, device).name,
+           "size": f"B{args.batch_size} T{args.seq_len}" + ("" if kind == "builtin" else f" d{args.width} L{args.layers}"),
+           "arms": {}, "samples_s": times}
+    for arm in arms:
+        model, mp, _ = sides[arm]
+        res["arms"][arm] = {
+            "ms": 1e3 * Summary.of(times[arm]).median, "ratio": paired_ratio(times[arm], times["off"]),
+            "hooks": hook_count(model), "checks": 0 if mp.guard is None else mp.guard.checks,
+            "events": 0 if mp.guard is None else len(mp.guard.events),
+            "replays": 0 if mp.guard is None else mp.guard.replays,
+        }
+    print(f"{kind}: " + ", ".join(f"{a} {res['arms'][a]['ratio']['median']:.3f}" for a in arms[1:]), file=sys.stderr)
+    return res
 
 
 def hf_task(kind: str, batch: int, seq: int, width: int = 64, layers: int = 2) -> mixprec.Task:
@@ -144,8 +176,6 @@ def hf_task(kind: str, batch: int, seq: int, width: int = 64, layers: int = 2) -
         return ids, ids
 
     def run_forward(model, ids):
-        if kind == "t5":
-            return model(input_ids=ids, labels=ids).loss
         return model(input_ids=ids, labels=ids).loss
 
     return mixprec.Task(name=kind, build_model=lambda: cls(config), get_batch=get_batch,

@@ -40,14 +40,18 @@ class NonFiniteEvent:
         dtype, shape: of the offending output (forward) or gradient (backward).
         inputs: ranges of what the producer received (backward: the gradients that came in).
         origin: "producer" (made here from finite inputs), "constant" (made here by a NaN passed
-            as a number: ``x * float("nan")``), or "input" (it arrived non-finite from outside what
-            the guard watches: the batch, the model's own parameters, or the loss in backward).
+            as a number: ``x * float("nan")``), "input" (it arrived non-finite from outside what
+            the guard watches: the batch, the model's own parameters, or the loss in backward), or
+            "unlocated" (an on-fault guard's check saw it, and no producer was seen: ``replay`` says
+            why; module and op are None, never guessed).
         held_by: with origin "input", the model's parameters and buffers that hold such a value
             (``"parameter 'lin.weight'"``): where it came from when not from the batch.
         where: source line ``file.py:LINE in function`` of the op (forward, when known).
         step: how many forward passes of the model the guard had seen (1 = the first).
         scaled, scale: backward overflow while a loss scaler with ``scale`` > 1 was active; the
             scaler skips such steps, so the guard reports but never raises for them.
+        replay: None when the full trace saw it live ("every-step"); an on-fault guard's account of
+            its replay otherwise (what differed from the original pass, or why none was seen).
     """
 
     phase: str
@@ -66,6 +70,7 @@ class NonFiniteEvent:
     scale: float = 1.0
     output: TensorRange | None = None  # the offending output's range (the sign of an infinity)
     held_by: tuple[str, ...] = ()
+    replay: str | None = None
 
     @property
     def where_text(self) -> str:
@@ -77,6 +82,10 @@ class NonFiniteEvent:
 
     @property
     def cause(self) -> Cause:
+        if self.origin == "unlocated":
+            return Cause("unlocated", f"the {self.phase} went non-finite, and no producer was seen: {self.replay}",
+                         "rerun the step with nan_guard={'trace': 'every-step'} (every op traced, about 1.5-2x "
+                         "the step on small models), or mixprec doctor on a task that reproduces it")
         return explain(self)
 
     def _infs(self) -> str:
@@ -90,8 +99,14 @@ class NonFiniteEvent:
     def describe(self) -> str:
         """A few lines: what, where, the inputs, the likely cause and the fix."""
         what = "NaN" if self.kind == "nan" else "Inf"
+        if self.origin == "unlocated":
+            c = self.cause
+            return "\n".join([f"{what} in {self.phase} (step {self.step}), producer not located: {self.replay}",
+                              f"  likely cause [{c.code}]: the guard did not see it made", f"  fix: {c.fix}"])
         verb = "arrived" if self.origin == "input" else "produced"
         lines = [f"{what} {verb} in {self.phase} (step {self.step}) by {self.where_text}"]
+        if self.replay:
+            lines.append(f"  ({self.replay})")
         if self.where:
             lines.append(f"  at {self.where}")
         out = TensorRange(self.dtype, self.shape, float("nan"), float("nan")) if self.kind == "nan" else None
@@ -114,7 +129,8 @@ class NonFiniteEvent:
             "phase": self.phase, "module": self.module, "module_type": self.module_type, "op": self.op,
             "node": self.node, "kind": self.kind, "dtype": str(self.dtype).removeprefix("torch."),
             "shape": list(self.shape), "inputs": [str(r) for r in self.inputs], "origin": self.origin,
-            "where": self.where, "step": self.step, "scaled": self.scaled, "held_by": list(self.held_by), "cause": c.code,
+            "where": self.where, "step": self.step, "scaled": self.scaled, "held_by": list(self.held_by),
+            "replay": self.replay, "cause": c.code,
             "cause_text": c.text, "fix": c.fix,
         }
 
