@@ -127,6 +127,14 @@ def get_policy(policy_name: str | Policy) -> Policy:
     return Policy(param, compute, output)
 
 
+def cast_floating_buffers(model: nn.Module, dtype: torch.dtype) -> None:
+    """Store every floating buffer of ``model`` in ``dtype`` (a pure recipe's running statistics)."""
+    for module in model.modules():
+        for name, buf in module.named_buffers(recurse=False):
+            if buf is not None and buf.is_floating_point():
+                setattr(module, name, buf.to(dtype))
+
+
 class OutputCast:
     """Forward hook casting a model's floating outputs to the policy's output dtype."""
 
@@ -148,10 +156,11 @@ class InputCast:
 
 
 class AutocastForward:
-    """A prepared 16-bit-storage model's instance ``forward``: outside any autocast region (an
-    evaluation loop, ``model.generate(...)``) it runs the forward under autocast to its compute
-    dtype, the computation its 16-bit weights are made for; inside one it changes nothing. (An
-    instance ``forward`` rather than a pre-hook: a context manager inside a function is what
+    """A prepared 16-bit-storage model's instance ``forward`` (on the model and on each submodule
+    that holds 16-bit weights): outside any autocast region (an evaluation loop,
+    ``model.generate(...)``, ``model.get_encoder()(...)``) it runs the forward under autocast to its
+    compute dtype, the computation its 16-bit weights are made for; inside one it changes nothing.
+    (An instance ``forward`` rather than a pre-hook: a context manager inside a function is what
     ``torch.compile`` traces.)"""
 
     def __init__(self, module: nn.Module, device_type: str, dtype: torch.dtype) -> None:
@@ -163,8 +172,31 @@ class AutocastForward:
         return self.inner if self.inner is not None else type(self.module).forward.__get__(self.module)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        forward = self.__wrapped__
         if torch.is_autocast_enabled(self.device_type):
-            return forward(*args, **kwargs)
+            return self._run(args, kwargs)
         with torch.autocast(self.device_type, dtype=self.dtype):
-            return forward(*args, **kwargs)
+            return self._run(args, kwargs)
+
+    def _run(self, args: tuple, kwargs: dict) -> Any:
+        # The class's forward called with the module, never ``type(m).forward.__get__(m)``:
+        # dynamo reads that as ``m.forward``, which is this wrapper, and after a graph break the
+        # resumed code calls the wrapper from itself until RecursionError.
+        if self.inner is not None:
+            return self.inner(*args, **kwargs)
+        return type(self.module).forward(self.module, *args, **kwargs)
+
+
+def autocast_outside(model: nn.Module, device_type: str, dtype: torch.dtype) -> list[str]:
+    """Give ``model`` and each of its submodules that holds a 16-bit floating parameter (in it or
+    below it) an ``AutocastForward``: whichever of them is called first outside autocast (the
+    model, ``model.get_encoder()``, ``model.model``, a backbone, a head) enters it. Modules
+    without such a parameter, and containers without a forward (``ModuleList``), are left alone.
+    Returns the qualified names of the modules wrapped ("" is the model)."""
+    wrapped = []
+    for name, module in model.named_modules():
+        if type(module).forward is nn.Module.forward or isinstance(module.__dict__.get("forward"), AutocastForward):
+            continue
+        if any(p.is_floating_point() and p.dtype in (torch.float16, torch.bfloat16) for p in module.parameters()):
+            module.forward = AutocastForward(module, device_type, dtype)  # type: ignore[method-assign]
+            wrapped.append(name)
+    return wrapped

@@ -28,8 +28,8 @@ from torch import nn
 
 from mixprec.formats import short_name
 from mixprec.islands import FAMILIES, Rule, as_rules, family_matches, keep_fp32
-from mixprec.masters import MasterWeights, make_masters
-from mixprec.policy import AutocastForward, InputCast, OutputCast
+from mixprec.masters import MasterWeights, export, make_masters
+from mixprec.policy import InputCast, OutputCast, autocast_outside, cast_floating_buffers
 from mixprec.recipes import Recipe, as_device, resolve_recipe
 from mixprec.scaling import GradScaler, NoOpScaler, StaticLossScaler
 from mixprec.step_io import (
@@ -185,10 +185,7 @@ class MixedPrecision:
             model.register_forward_hook(OutputCast(self.policy.output_dtype))
             if self.recipe.pure:
                 model.register_forward_pre_hook(InputCast(self.policy.compute_dtype), with_kwargs=True)
-                for module in model.modules():
-                    for name, buf in module.named_buffers(recurse=False):
-                        if buf is not None and buf.is_floating_point():
-                            setattr(module, name, buf.to(self.policy.param_dtype))
+                cast_floating_buffers(model, self.policy.param_dtype)
         elif self.fp32_modules:
             keep_fp32(model, self.fp32_modules, self.device.type)
         if self.fp8_spec is not None:  # after the islands: an island stays fp32
@@ -197,8 +194,8 @@ class MixedPrecision:
             self.fp8 = Fp8Training.attach(model, self.fp8_spec, self.device, self.recipe.name)
         if self.masters is not None:
             self.masters.attach(model)
-            if self.recipe.autocast:  # 16-bit weights: eval loops and generate() run outside mp.autocast() too
-                model.forward = AutocastForward(model, self.device.type, self.policy.compute_dtype)  # type: ignore[method-assign]
+            if self.recipe.autocast:  # 16-bit weights: eval loops, generate(), a submodule run outside mp.autocast() too
+                autocast_outside(model, self.device.type, self.policy.compute_dtype)
         model._mixprec_recipe = self.recipe.name  # type: ignore[attr-defined]
         self._model_ref = weakref.ref(model)  # reset() clears its gradients
         self._held.add(model)
@@ -472,10 +469,13 @@ class MixedPrecision:
         self._micro, self._loss_sum = 0, None
 
     def fp32_state_dict(self, model: nn.Module) -> dict[str, Any]:
-        """``model.state_dict()`` in fp32: the masters' values in place of 16-bit weights (an export:
-        ``model.save_pretrained(dir, state_dict=mp.fp32_state_dict(model))``); for other recipes the
-        model's own. To resume exactly, save ``mp.state_dict()`` too."""
-        return model.state_dict() if self.masters is None else self.masters.fp32_state_dict()
+        """``model.state_dict()`` in fp32: the masters' values in place of 16-bit weights, tied names
+        sharing one tensor. To resume exactly, save ``mp.state_dict()`` too."""
+        return export.fp32_state_dict(self, model)
+
+    def save_pretrained(self, model: nn.Module, save_directory: Any, **kwargs: Any) -> None:
+        """A Hugging Face model's fp32 export that ``from_pretrained(dir)`` reloads in fp32, exactly."""
+        export.save_pretrained(self, model, save_directory, **kwargs)
 
     def describe(self) -> str:
         """A few lines saying what this object will do (and, after prepare, what it matched)."""

@@ -179,3 +179,111 @@ def test_update_vanishing_names_the_worst_parameter_and_says_when_decay_alone_is
     assert any("weight decay alone" in line for line in f.evidence if line.startswith("wpe.weight"))
     ok = check_update_vanishing(_evidence("bf16-pure", params[2:], kept={"ln.weight"}))
     assert ok.status == "ok" and "stored in fp32 by its rule: ln.weight" in ok.summary
+
+
+# ---------------------------------------------------------------- the state the recipe trains in (issue 29.5)
+
+
+def _regression(name, build_model, loss_scale=1.0):
+    import torch
+    import torch.nn.functional as F
+
+    from mixprec.tasks import Task
+
+    def get_batch(step):
+        g = torch.Generator().manual_seed(step)
+        return torch.randn(32, 32, generator=g), torch.randn(32, 16, generator=g)
+
+    return Task(name=name, build_model=build_model, get_batch=get_batch,
+                loss_fn=lambda out, y: F.mse_loss(out, y) * loss_scale)
+
+
+def _loud_mlp():
+    # gradients of ~100: at the default initial scale 2^16 they overflow fp16, so the scaler skips its first
+    # steps, halving the scale until it fits (the routine warm-up of every fp16 run with large gradients)
+    from torch import nn
+
+    return _regression("loud-mlp", lambda: nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 16)), 256.0)
+
+
+def _fp8_mlp():
+    from torch import nn
+
+    return _regression("fp8-mlp", lambda: nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(),
+                                                        nn.Linear(64, 16)))
+
+
+def test_the_scalers_first_overflows_are_its_warm_up_not_a_nan_outside_the_model():
+    # was: ALARM "NaN arrived ... by code outside the model, op foreach_norm, check the batch" (the
+    # scale monitor's own norm of the overflowed gradients, seen by the guard) and ALARM "collapse"
+    report = doctor(_loud_mlp(), "fp16-mixed", "cpu", steps=3)
+    assert not report.alarming, [(f.check, f.summary) for f in report.findings if f.alarming]
+    run = report.evidence.run
+    assert run.skipped[0] and not run.skipped[-1] and run.settle_steps >= 1  # it ran on to its first clean step
+    step = report.get("recipe-step")
+    assert step.status == "ok" and "warm-up" in step.summary and "2^16" in step.summary
+    assert report.get("loss-scale").summary.startswith("settling")
+    # gradient underflow is judged at the scale the run trains at, not the initial one
+    assert run.train_scale < run.scale and f"scale {mixprec_pow2(run.train_scale)}" in report.get("grad-underflow").summary
+
+
+def mixprec_pow2(x):
+    from mixprec.diagnostics.probes._common import pow2_label
+
+    return pow2_label(x)
+
+
+def test_fp8_delayed_is_probed_after_its_warm_up_when_its_scales_have_a_history():
+    # at step 0 every delayed scale is 1 (no amax history yet) and most gradient values flush to 0
+    report = doctor(_fp8_mlp(), "fp8-delayed", "cpu", steps=3)
+    fp8 = report.get("fp8-casts")
+    assert fp8.status == "ok" and not report.alarming, fp8.summary
+    assert report.evidence.fp8_step == 3 and fp8.evidence[0] == "probed after 3 training step(s)"
+
+
+def test_fp8_unscaled_gradients_that_flush_are_an_alarm():
+    report = doctor(_fp8_mlp(), "fp8-unscaled", "cpu", steps=2)
+    fp8 = report.get("fp8-casts")
+    assert fp8.status == "alarm" and fp8.cause in ("fp8-cast-loss", "fp8-cast-flush") and "grad_output" in fp8.summary
+
+
+def test_a_flushed_population_is_an_alarm_whatever_the_sqnr():
+    from mixprec.diagnostics.checks import Evidence, check_fp8_casts
+    from mixprec.fp8 import CastStats
+    from mixprec.recipes import resolve_recipe
+
+    def cast(layer, zeros, signal, noise):
+        return CastStats(layer, "grad_output", "e4m3", 1000, 1000, zeros, 0, signal, noise, 1.0, 1.0)
+
+    # 99.6% of the values flushed, but the few large ones carry the norm: SQNR 30 dB
+    stats = [cast("h.0.mlp", 996, 1000.0, 1.0), cast("h.1.mlp", 0, 1000.0, 1.0)]
+    f = check_fp8_casts(Evidence(resolve_recipe("fp8-unscaled", "cpu"), None, None, fp8=stats, fp8_step=1))
+    assert (f.status, f.module, f.cause) == ("alarm", "h.0.mlp", "fp8-cast-flush") and "99.6%" in f.summary
+    few = [cast("h.0.mlp", 30, 1000.0, 1.0)]  # 3%: a warning
+    assert check_fp8_casts(Evidence(resolve_recipe("fp8-unscaled", "cpu"), None, None, fp8=few)).status == "warn"
+    none = [cast("h.0.mlp", 0, 1000.0, 1.0)]
+    assert check_fp8_casts(Evidence(resolve_recipe("fp8-unscaled", "cpu"), None, None, fp8=none)).status == "ok"
+
+
+def test_once_the_producer_is_found_later_checks_do_not_contradict_it():
+    # issue 33: a forward that multiplies by NaN; the backward of cross_entropy then carries NaN
+    # through log_softmax, which checks 1 and 4 took for a log of 0 ("keep log's argument away from 0")
+    import torch
+    from torch import nn
+
+    class TimesNan(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(32, 32), nn.Linear(32, 16)
+
+        def forward(self, x):
+            return self.b(torch.relu(self.a(x)) * float("nan"))
+
+    report = doctor(_regression("times-nan", TimesNan), "fp16-mixed", "cpu", steps=2)
+    first = report.get("recipe-step")
+    assert first.status == "alarm" and first.cause == "nan-constant"
+    fp32, domain = report.get("fp32"), report.get("math-domain")
+    assert fp32.status == "alarm" and fp32.cause == "nan-constant"  # fp32 has it too: the same producer
+    assert domain.status == "ok" and "nan-constant" in domain.summary
+    for f in report.findings:
+        assert "log" not in f.fix and f.cause not in ("log-of-zero", "division-by-zero"), (f.check, f.summary, f.fix)

@@ -30,6 +30,10 @@ MATH_DOMAIN = ("log-of-zero", "log-of-negative", "division-by-zero", "sqrt-of-ne
 # A module's gradient is damaged when the values that flush to zero carry this share of its squared
 # norm; many flushed values carrying almost none of it (a saturated softmax's) are harmless.
 UNDERFLOW_NORM, UNDERFLOW_VALUES = 0.01, 0.10
+# An fp8 cast that flushes this share of a tensor's nonzero values loses that population, whatever
+# its SQNR says (a few large values carry the norm; an unscaled e4m3 gradient keeps 20 dB while most
+# of its values become 0): an alarm at ``FP8_FLUSH_ALARM``, a warning at ``FP8_FLUSH_WARN``.
+FP8_FLUSH_ALARM, FP8_FLUSH_WARN = 0.10, 0.01
 
 
 @dataclasses.dataclass
@@ -56,6 +60,7 @@ class Evidence:
     errors: dict[str, str] = dataclasses.field(default_factory=dict)
     kept_fp32: frozenset[str] = frozenset()  # parameters a 16-bit storage recipe keeps in fp32 (its rule)
     fp8: list[CastStats] | None = None  # an fp8 recipe's casts (probes.fp8)
+    fp8_step: int = 0  # ... probed after this many training steps
 
     @property
     def compute_fmt(self) -> str:
@@ -92,17 +97,26 @@ def check_recipe_step(ev: Evidence) -> Finding:
                        "produced outside what the guard watched", fix="compute the loss inside the model or the guarded block")
     scaled = [e for e in run.events if e.scaled]
     if scaled:
+        evidence = tuple(e.describe().splitlines()[0] for e in scaled[:3])
+        d = run.diagnosis
+        if d is not None and not d.healthy:  # the loss-scale finding says why; this one must not call it normal
+            return Finding("recipe-step", title, "warn",
+                           f"losses finite ({_losses(run)}), but {len(scaled)} backward overflow(s) at the loss scale "
+                           "were skipped and the scale did not recover: see the loss-scale finding", evidence)
+        lead = next((i for i, skip in enumerate(run.skipped) if not skip), len(run.skipped))
+        warm = (f"; the first {lead} step(s) were skipped while the scale came down from {pow2_label(run.scale)} "
+                f"to {pow2_label(run.train_scale)}, where it trains (the scaler's warm-up)"
+                if 0 < lead < len(run.skipped) else "")
         return Finding("recipe-step", title, "ok",
                        f"losses finite ({_losses(run)}); {len(scaled)} backward overflow(s) at the loss scale were "
-                       "skipped by the scaler (normal probing)",
-                       tuple(e.describe().splitlines()[0] for e in scaled[:3]))
+                       f"skipped by the scaler (normal probing){warm}", evidence)
     return Finding("recipe-step", title, "ok", f"losses finite: {_losses(run)}; no NaN/Inf anywhere in forward or backward")
 
 
 def check_fp32(ev: Evidence) -> Finding:
     title = "1. Is the fault there in fp32 too?"
     f32 = ev.fp32
-    fault = f32.first_fault
+    fault = f32.first_fault  # the cause: after a forward NaN, backward events are its consequences
     if fault is not None or not f32.finite:
         if fault is None:
             return Finding("fp32", title, "alarm", f"the fp32 step fails too ({f32.error or _losses(f32)}): "
@@ -142,7 +156,9 @@ def check_unscale_clip(ev: Evidence) -> Finding:
     run, f32 = ev.run, ev.fp32
     why = "MixedPrecision.step fixes the order: scale -> backward -> unscale -> clip -> step; a task cannot reorder it"
     lint = "for your own training scripts, 'mixprec lint' checks the order in the source"
-    g, g32 = (run.grad_norms or [None])[0], (f32.grad_norms or [None])[0]
+    # the same step in both (fp32 ran step 0 only): when the scaler skipped step 0, nothing to compare
+    g = (run.grad_norms or [None])[0] if not (run.skipped and run.skipped[0]) else None
+    g32 = (f32.grad_norms or [None])[0]
     if g is None or g32 is None or not (math.isfinite(g) and math.isfinite(g32)) or g32 == 0:
         return Finding("unscale-clip", title, "ok", "yes, by construction", (why, lint))
     ratio = g / g32
@@ -158,11 +174,16 @@ def check_unscale_clip(ev: Evidence) -> Finding:
 def check_math_domain(ev: Evidence) -> Finding:
     title = "4. A log(0), a division by zero, or a sqrt of a negative?"
     for run in (ev.run, ev.fp32):
-        for e in run.faults:
+        for e in run.root_faults:  # not the backward of a NaN the forward made (its log_softmax, its sqrt)
             if e.origin == "producer" and explain(e).code in MATH_DOMAIN:
                 where = "fp32 too" if run is ev.fp32 else run.recipe
                 return _event_finding("math-domain", title, "alarm",
                                       f"yes ({where}): {explain(e).text} in {e.where_text}", e)
+    first = ev.run.first_fault or ev.fp32.first_fault
+    if first is not None:  # the producer named above is not one of these: say so, and nothing else
+        return Finding("math-domain", title, "ok",
+                       f"no: the first fault ({first.where_text}, {explain(first).code}) is not a log, a division or a "
+                       "sqrt, and what follows it is its consequence")
     return Finding("math-domain", title, "ok", "none: no op produced NaN/Inf from a log, a division or a sqrt")
 
 
@@ -252,7 +273,7 @@ def check_grad_underflow(ev: Evidence) -> Finding:
     fmt = ev.compute_fmt
     if fmt not in ("f16", "bf16"):
         return Finding("grad-underflow", title, "ok", f"gradients are computed in {fmt}")
-    scale, rec = ev.run.scale, rep.recommended_scale
+    scale, rec = ev.run.train_scale, rep.recommended_scale  # the scale it trains at, after the warm-up
     # parameters merged per module, and module output (activation) gradients: the worst of both
     pool = [(s, s.landing(fmt, scale)) for s in (*rep.by_module(), *rep.activations) if s.nonzero]
     if not pool:
@@ -378,22 +399,36 @@ def check_fp8_casts(ev: Evidence) -> Finding:
     if not ev.fp8:
         return Finding("fp8-casts", title, "warn", "no layer of this model computes in fp8: it trains as bf16-mixed",
                        fix="see MixedPrecision(...).describe() after prepare for the rules that kept each layer")
+    flushed = sorted(ev.fp8, key=lambda c: -c.zero)
     bad = worst(ev.fp8, 6)
-    evidence = tuple(c.describe() for c in bad)
-    w = bad[0]
-    fix = (f"use current scaling (fp8-current) with e5m2 gradients (format 'hybrid'), or keep {w.layer} in bf16: "
-           f"MixedPrecision(..., fp8={{'exclude': [{w.layer!r}]}})")
+    when = f"probed after {ev.fp8_step} training step(s)" if ev.fp8_step else "probed at step 0 (no trained state)"
+    evidence = (when, *(c.describe() for c in bad),
+                *(c.describe() for c in flushed[:3] if c.zero >= FP8_FLUSH_WARN and c not in bad))
+    w, f = bad[0], flushed[0]
+
+    def fix(layer: str) -> str:
+        return (f"use current scaling (fp8-current) with e5m2 gradients (format 'hybrid'), or keep {layer} in bf16: "
+                f"MixedPrecision(..., fp8={{'exclude': [{layer!r}]}})")
+
     saturated = [c for c in ev.fp8 if c.saturated]
+    if f.zero >= FP8_FLUSH_ALARM and w.sqnr_db >= ALARM_DB:  # the SQNR does not see a lost population
+        return Finding("fp8-casts", title, "alarm",
+                       f"{f.layer}'s {f.role} cast flushes {_pct(f.zero)} of its nonzero values to 0 (SQNR "
+                       f"{f.sqnr_db:.1f} dB: the large values carry the norm, the rest is lost)", evidence,
+                       fix(f.layer), f.layer, cause="fp8-cast-flush")
     if not w.sqnr_db >= ALARM_DB:
         return Finding("fp8-casts", title, "alarm", f"{w.layer}'s {w.role} cast keeps almost nothing: SQNR "
-                       f"{w.sqnr_db:.1f} dB, {_pct(w.zero)} of its values flushed to 0", evidence, fix, w.layer,
+                       f"{w.sqnr_db:.1f} dB, {_pct(w.zero)} of its values flushed to 0", evidence, fix(w.layer), w.layer,
                        cause="fp8-cast-loss")
-    if w.sqnr_db < WARN_DB or saturated:
+    if w.sqnr_db < WARN_DB or saturated or f.zero >= FP8_FLUSH_WARN:
         what = (f"{saturated[0].layer}'s {saturated[0].role} saturates ({_pct(saturated[0].saturation)} of values)"
-                if saturated else f"{w.layer}'s {w.role} cast has an SQNR of {w.sqnr_db:.1f} dB (< {WARN_DB:g})")
-        return Finding("fp8-casts", title, "warn", what, evidence, fix, w.layer, cause="fp8-cast-loss")
-    return Finding("fp8-casts", title, "ok", f"every fp8 cast keeps at least {w.sqnr_db:.1f} dB SQNR, none saturates "
-                   f"({len(ev.fp8)} casts in {len({c.layer for c in ev.fp8})} layers)", evidence)
+                if saturated else f"{w.layer}'s {w.role} cast has an SQNR of {w.sqnr_db:.1f} dB (< {WARN_DB:g})"
+                if w.sqnr_db < WARN_DB else f"{f.layer}'s {f.role} cast flushes {_pct(f.zero)} of its nonzero values to 0")
+        layer = saturated[0].layer if saturated else w.layer if w.sqnr_db < WARN_DB else f.layer
+        return Finding("fp8-casts", title, "warn", what, evidence, fix(layer), layer, cause="fp8-cast-loss")
+    return Finding("fp8-casts", title, "ok", f"every fp8 cast keeps at least {w.sqnr_db:.1f} dB SQNR, none saturates, "
+                   f"none flushes {_pct(FP8_FLUSH_WARN)} of its values ({len(ev.fp8)} casts in "
+                   f"{len({c.layer for c in ev.fp8})} layers, {when})", evidence)
 
 
 CHECKLIST = (check_recipe_step, check_fp32, check_loss_fp32, check_unscale_clip, check_math_domain,

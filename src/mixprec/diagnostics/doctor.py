@@ -10,7 +10,10 @@ in fp32, and goes through the checklist (``checks.py``). Each finding says what 
 evidence, and the fix; ``report.alarming`` is True when a finding is an alarm.
 
 On a CPU without native 16-bit matmuls the 16-bit steps are emulated and slow: the default is a
-few steps on the task's first batches.
+few steps on the task's first batches. Each judgement is made on the state the recipe trains in:
+a loss scaler still backing off from its initial scale runs on until its first clean step (at most
+``SETTLE_STEPS`` more), gradient underflow is judged at the scale it then trains at, and the fp8
+casts are probed after the run's steps (delayed scaling has no history at step 0).
 """
 
 from __future__ import annotations
@@ -34,6 +37,11 @@ from mixprec.islands import is_norm, looks_like_norm
 from mixprec.masters import fp32_param_names
 from mixprec.recipes import as_device, resolve_recipe
 from mixprec.tasks import Task, load_task, to_device
+
+#: at most this many steps past ``steps`` while the scaler is still halving down from its initial
+#: scale (every step skipped for a backward overflow, the forward finite): 2^16 -> 2^0
+SETTLE_STEPS = 16
+
 
 def _norm_like(module: nn.Module) -> bool:
     """Norms the recipes recognise, and modules that look like one (checked for tiny variances too)."""
@@ -68,8 +76,8 @@ def _probe(ev: Evidence, task: Task, device: torch.device, seed: int, progress: 
 
     model32, _ = build(task, "fp32", device, seed)
     progress("probing gradient underflow (fp32 backward)")
-    try:
-        ev.grads = probe_grad_underflow(model32, fp32_closure(model32), scales=[ev.run.scale])
+    try:  # at the scale the recipe trains at (after the scaler's initial back-off), not its first
+        ev.grads = probe_grad_underflow(model32, fp32_closure(model32), scales=[ev.run.train_scale])
     except Exception as e:
         ev.errors["grads"] = f"{type(e).__name__}: {e}"
     progress("probing update vanishing (one fp32 optimizer step)")
@@ -93,13 +101,26 @@ def _probe(ev: Evidence, task: Task, device: torch.device, seed: int, progress: 
     except Exception as e:
         ev.errors["activations"] = f"{type(e).__name__}: {e}"
     if ev.recipe.fp8 is not None:
-        progress(f"probing the fp8 casts ({ev.recipe.name} forward and backward)")
+        progress(f"probing the fp8 casts ({ev.recipe.name} forward and backward, after its {len(ev.run.losses)} step(s))")
         try:
-            model_f, mp_f = build(task, ev.recipe.name, device, seed)
-            ev.fp8 = probe_fp8_casts(model_f, lambda: task.loss_fn(task.run_forward(model_f, inputs), targets),
-                                     autocast=mp_f.autocast)
+            ev.fp8 = _probe_fp8(ev, task, device, seed)
         except Exception as e:
             ev.errors["fp8"] = f"{type(e).__name__}: {e}"
+
+
+def _probe_fp8(ev: Evidence, task: Task, device: torch.device, seed: int) -> list[Any]:
+    """The fp8 casts in the state the recipe trains in: on the run's model after its steps (delayed
+    scaling has an amax history from step 1 on; at step 0 every scale is 1), with the next batch.
+    A run that failed or left non-finite losses has no such state: a fresh model is probed then."""
+    run = ev.run
+    if run.model is not None and run.finite and run.losses:
+        model_f, mp_f, step = run.model, run.mp, len(run.losses)
+    else:
+        (model_f, mp_f), step = build(task, ev.recipe.name, device, seed), 0
+    inputs, targets = to_device(task.get_batch(step), device)
+    ev.fp8_step = step
+    return probe_fp8_casts(model_f, lambda: task.loss_fn(task.run_forward(model_f, inputs), targets),
+                           autocast=mp_f.autocast)
 
 
 def doctor(
@@ -130,7 +151,9 @@ def doctor(
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be a positive integer, got {steps!r}")
     say(f"running {steps} step(s) of {the_task.name} under {rec.name}, guarded")
-    run = run_steps(the_task, rec.name, dev, steps=steps, seed=seed)
+    run = run_steps(the_task, rec.name, dev, steps=steps, seed=seed, settle=SETTLE_STEPS)
+    if run.settle_steps:
+        say(f"ran {run.settle_steps} more step(s) until the loss scale settled (the scaler skipped every step before)")
     say("running the same step in fp32")
     f32 = run_steps(the_task, "fp32", dev, steps=1, seed=seed) if rec.name != "fp32" else run
     ev = Evidence(rec, run, f32)

@@ -52,6 +52,18 @@ class RunResult:
     scalar_modules: list[tuple[str, str, torch.dtype]] = dataclasses.field(default_factory=list)
     error: str | None = None
     seconds: float = 0.0
+    skipped: list[bool] = dataclasses.field(default_factory=list)  # per step: the scaler skipped it
+    settle_steps: int = 0  # steps run past ``steps`` until the loss scale had settled (see run_steps)
+    # the model and its MixedPrecision after the last step: the state the recipe trains in, for probes
+    model: Any = dataclasses.field(default=None, repr=False, compare=False)
+    mp: Any = dataclasses.field(default=None, repr=False, compare=False)
+
+    @property
+    def train_scale(self) -> float:
+        """The loss scale of the first step the scaler took (after its initial back-off), else the first."""
+        taken = [i for i, s in enumerate(self.skipped) if not s]
+        scales = (self.history or {}).get("scale") or []
+        return float(scales[taken[0]]) if taken and taken[0] < len(scales) else self.scale
 
     @property
     def finite(self) -> bool:
@@ -67,9 +79,18 @@ class RunResult:
         return not self.finite or bool(self.faults)
 
     @property
-    def first_fault(self) -> NonFiniteEvent | None:
+    def root_faults(self) -> list[NonFiniteEvent]:
+        """The faults that are causes: once the forward made a non-finite value (an op produced it, or
+        was handed NaN as a number), the backward events that follow are its consequences (a NaN
+        loss's gradient through log_softmax is not a log of 0)."""
         f = self.faults
-        fwd = [e for e in f if e.phase == "forward" and e.origin == "producer"]
+        made = [e for e in f if e.phase == "forward" and e.origin in ("producer", "constant")]
+        return [e for e in f if e.phase == "forward"] if made else f
+
+    @property
+    def first_fault(self) -> NonFiniteEvent | None:
+        f = self.root_faults
+        fwd = [e for e in f if e.phase == "forward" and e.origin in ("producer", "constant")]
         return (fwd or [e for e in f if e.origin == "producer"] or f or [None])[0]
 
     def to_dict(self) -> dict[str, Any]:
@@ -79,6 +100,7 @@ class RunResult:
             "diagnosis": None if self.diagnosis is None else self.diagnosis.to_dict(),
             "overflows": [dataclasses.asdict(o) for o in self.overflows],
             "loss_dtype": None if self.loss_dtype is None else str(self.loss_dtype).removeprefix("torch."),
+            "skipped": self.skipped, "settle_steps": self.settle_steps, "train_scale": self.train_scale,
         }
 
 
@@ -110,8 +132,19 @@ def _zero_watch(model: nn.Module, out: dict[str, float]) -> list[Any]:
             for n, p in model.named_parameters() if p.requires_grad]
 
 
-def run_steps(task: Task, recipe: str, device: torch.device, *, steps: int, seed: int = 0) -> RunResult:
-    """Train ``steps`` steps of ``task`` under ``recipe``, watched. Never raises for the model's faults."""
+def _unsettled(result: RunResult) -> bool:
+    """The scaler skipped every step so far while the forward and the loss were finite: it is still
+    backing off from its initial scale (the routine first overflows of fp16), not yet training."""
+    return bool(result.skipped) and all(result.skipped) and result.finite and not result.faults
+
+
+def run_steps(task: Task, recipe: str, device: torch.device, *, steps: int, seed: int = 0,
+              settle: int = 0) -> RunResult:
+    """Train ``steps`` steps of ``task`` under ``recipe``, watched. Never raises for the model's faults.
+
+    ``settle``: with a loss scaler, up to this many more steps while every step so far was skipped
+    for a backward overflow alone (the scale halving from its initial value), so that the run
+    reaches the state the recipe trains in; ``settle_steps`` says how many it took."""
     t0 = time.perf_counter()
     model, mp = build(task, recipe, device, seed, track_grad_norm=True)
     scaler = mp.scaler
@@ -121,7 +154,8 @@ def run_steps(task: Task, recipe: str, device: torch.device, *, steps: int, seed
     monitor = ScaleMonitor(scaler, model).attach() if scaler.is_enabled() else None
     try:
         with nan_guard(model, "record", scaler=scaler) as guard:
-            for step in range(steps):
+            step = 0
+            while step < steps or (step < steps + settle and _unsettled(result)):
                 inputs, targets = to_device(task.get_batch(step), device)
                 with mp.autocast():
                     out = task.run_forward(model, inputs)
@@ -134,9 +168,14 @@ def run_steps(task: Task, recipe: str, device: torch.device, *, steps: int, seed
                 value = float(stats.loss)
                 result.losses.append(value)
                 result.grad_norms.append(None if stats.grad_norm is None else float(stats.grad_norm))
+                result.skipped.append(bool(stats.skipped))
+                result.events = list(guard.events)
+                step += 1
                 if not math.isfinite(value) and not scaler.is_enabled():
                     break  # without a scaler the step was taken: every later step starts from NaN weights
+            result.settle_steps = max(0, step - steps)
         result.events = list(guard.events)
+        result.model, result.mp = model, mp
     except Exception as e:  # the user's model may fail in any way; doctor reports it
         result.error = f"{type(e).__name__}: {e}"
         result.events = list(guard.events) if "guard" in locals() else []

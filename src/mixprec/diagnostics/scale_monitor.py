@@ -207,6 +207,7 @@ class ScaleMonitor:
 
     # ------------------------------------------------------------------ per step
 
+    @torch.no_grad()  # a measurement: a guard watching the block must not take it for the model's op
     def _flags(self) -> tuple[torch.Tensor, list[int]] | None:
         """Device bool vector: parameter i's gradient held inf/NaN (no sync)."""
         grads = [_grad(p) for p in self.params]

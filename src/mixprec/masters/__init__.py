@@ -21,6 +21,7 @@ The loop is the core one; only the optimizer is built over ``mp.parameters(model
 - ``guard``: the optimizer pre-step hook that refuses to train 16-bit weights without masters.
 - ``rounding``: stochastic rounding, Kahan addition, fp32 <-> bf16 + int16 remainder.
 - ``rules``: which parameters stay fp32.
+- ``export``: the fp32 export (``mp.fp32_state_dict``, ``mp.save_pretrained``).
 - ``strategy``: compatibility only (the old home of the above; forwards reads to them).
 """
 

@@ -409,17 +409,20 @@ class MasterWeights(_GradFolding):
         an export (``save_pretrained(dir, state_dict=...)``). Resuming training exactly needs
         ``mp.state_dict()`` beside it (compensation buffers, remainders, generators)."""
         model = self._check_model(None)
-        by_name = {s.name: s for s in self.slots}
-        frozen = {n for n, _ in self.frozen}
+        frozen = {id(p) for _, p in self.frozen}
+        # every name a parameter goes by (a tied lm_head.weight too), and one fp32 tensor per parameter,
+        # so that tied names share it as the model's share one parameter
+        source = {n: p for n, p in model.named_parameters(remove_duplicate=False)
+                  if id(p) in self._by_param or id(p) in frozen}
+        made: dict[int, torch.Tensor] = {}
         out: dict[str, Any] = {}
         with torch.no_grad():
-            for key, value in model.state_dict().items():
-                slot = by_name.get(key)
-                if slot is not None:
-                    value = self.master_value(slot).detach().clone()
-                elif key in frozen and value.is_floating_point():
-                    value = value.to(torch.float32)
-                out[key] = value
+            for key, value in model.state_dict(keep_vars=True).items():
+                p = source.get(key)
+                if p is not None and id(p) not in made:
+                    slot = self._by_param.get(id(p))
+                    made[id(p)] = (self.master_value(slot) if slot is not None else p.to(torch.float32)).detach().clone()
+                out[key] = made[id(p)] if p is not None else value.detach()
         return out
 
     def nbytes(self) -> dict[str, int]:
