@@ -61,6 +61,14 @@ def amax(x_hp: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     return a.float()
 
 
+def amax_fmax(x_hp: torch.Tensor) -> torch.Tensor:
+    """``max |x|`` as Transformer Engine's cast kernels compute it: a running ``fmaxf`` from 0, so a
+    NaN element is skipped (an all-NaN tensor gives 0) while an infinity is kept. Delayed scaling
+    records this one; current scaling keeps torchao's ``amax`` (a NaN makes the scale NaN)."""
+    a = x_hp.detach().abs().float()
+    return torch.where(torch.isnan(a), torch.zeros((), device=a.device), a).amax()
+
+
 def current_scale(amax_: torch.Tensor, fmt: FloatFormat, pow2: bool = False) -> torch.Tensor:
     """torchao's current (dynamic) scale: ``fp8_max / max(amax, 1e-12)`` in float64, as fp32;
     with ``pow2``, rounded down to a power of two (the cast then scales exactly)."""

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from mixprec.fp8 import gemm
-from mixprec.fp8.casts import FloatFormat, amax, current_scale, role_formats
+from mixprec.fp8.casts import FloatFormat, amax, amax_fmax, current_scale, role_formats
 from mixprec.fp8.casts import quantize_raw as quantize
 from mixprec.fp8.delayed import record_
 
@@ -100,7 +100,7 @@ class _Fp8LinearFn(torch.autograd.Function):
         fx, fw, fg = cfg.formats
         g2 = grad.reshape(-1, grad.shape[-1])
         if ctx.history is not None:  # delayed scaling: this step's grad_output amax
-            record_(ctx.history, 2, amax(g2))
+            record_(ctx.history, 2, amax_fmax(g2))  # (NaN skipped, as TE's fmaxf)
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_x = grad_w = None
         observers = ctx.observers
@@ -163,7 +163,7 @@ class Fp8Matmul:
             scales = self.fp8_scale
             if self.training and torch.is_grad_enabled():  # an eval forward leaves the history alone
                 history = self.fp8_amax_history
-                record_(history, slice(0, 2), torch.stack((amax(x), amax(weight))))
+                record_(history, slice(0, 2), torch.stack((amax_fmax(x), amax_fmax(weight))))
         with torch.autocast(device, enabled=False):
             out = _Fp8LinearFn.apply(x, weight, scales, history, cfg, self.fp8_observers)
         if self.bias is not None:
