@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -36,12 +36,6 @@ NORMS = "norms"
 MASTER_KINDS = ("none", "fp32", "kahan", "sr", "remainder", "nearest")
 #: Parameters the 16-bit storage recipes keep in fp32 (rule items of ``mixprec.masters.rules``).
 FP32_PARAMS = ("norms", "biases", "embeddings", "bare")
-
-#: fp8 recipes (``Fp8Spec``): the allowed values of its choice fields.
-FP8_CHOICES = {"scaling": ("delayed", "current", "none"), "format": ("hybrid", "e4m3"),
-               "granularity": ("tensorwise", "rowwise"), "amax_compute_algo": ("max", "most_recent"),
-               "gemm": ("auto", "emulate", "scaled_mm")}
-
 
 @dataclasses.dataclass(frozen=True)
 class Fp8Spec:
@@ -69,18 +63,9 @@ class Fp8Spec:
     gemm: str = "auto"
 
     def __post_init__(self) -> None:
-        for field, allowed in FP8_CHOICES.items():
-            if getattr(self, field) not in allowed:
-                raise ValueError(f"fp8 {field}={getattr(self, field)!r}; expected one of {', '.join(allowed)}")
-        for field, low in (("amax_history_len", 1), ("margin", 0)):
-            v = getattr(self, field)
-            if isinstance(v, bool) or not isinstance(v, int) or v < low:
-                raise ValueError(f"fp8 {field} must be an integer >= {low}, got {v!r}")
-        if self.granularity == "rowwise" and self.scaling != "current":
-            raise ValueError(f"fp8 rowwise scaling needs scaling='current' (a scale per row of the tensor being "
-                             f"cast), not {self.scaling!r}")
-        if isinstance(self.exclude, str) or not all(isinstance(e, str) for e in self.exclude):
-            raise TypeError(f"fp8 exclude must be a tuple of glob patterns (strings), got {self.exclude!r}")
+        from mixprec.fp8.options import check_spec  # every field's type and range (a capability's own rules)
+
+        check_spec(self)
         object.__setattr__(self, "exclude", tuple(self.exclude))
 
 
@@ -498,3 +483,11 @@ def resolve_recipe(spec: str | Recipe, device: str | torch.device | None = None)
     check_device_can_run(recipe, dev)
     return recipe
 
+
+
+def as_requested(recipe: Recipe, spec: Any) -> Recipe:
+    """``recipe`` with a reason that names the alias it was asked for by ("fp8-current (requested as 'fp8')")."""
+    asked = spec.strip() if isinstance(spec, str) else None
+    if recipe.reason != "requested" or asked is None or asked.lower() == recipe.name.lower():
+        return recipe
+    return dataclasses.replace(recipe, reason=f"requested as {asked!r}")

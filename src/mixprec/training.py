@@ -30,7 +30,7 @@ from mixprec.formats import short_name
 from mixprec.islands import FAMILIES, Rule, as_rules, family_matches, keep_fp32
 from mixprec.masters import MasterWeights, export, make_masters
 from mixprec.policy import InputCast, OutputCast, autocast_outside, cast_floating_buffers
-from mixprec.recipes import Recipe, as_device, resolve_recipe
+from mixprec.recipes import Recipe, as_device, as_requested, resolve_recipe
 from mixprec.scaling import GradScaler, NoOpScaler, StaticLossScaler
 from mixprec.step_io import (
     ModelsHeld,
@@ -89,7 +89,7 @@ class MixedPrecision:
         fp8: Any = None,
     ) -> None:
         self.device = as_device(device)
-        self.recipe = resolve_recipe(recipe, self.device)
+        self.recipe = as_requested(resolve_recipe(recipe, self.device), recipe)  # (an alias says so)
         if not isinstance(accumulate, int) or accumulate < 1:
             raise ValueError(f"accumulate must be an integer >= 1, got {accumulate!r}")
         self.accumulate = accumulate
@@ -464,7 +464,7 @@ class MixedPrecision:
             self.masters.load_state_dict(state["masters"])
         if self.fp8 is not None or state.get("fp8"):
             from mixprec.fp8.state import load_fp8_state  # (refuses fp8 state before prepare)
-            load_fp8_state(self.fp8, state.get("fp8"))
+            load_fp8_state(self, state.get("fp8"), state.get("recipe"))
         self._steps = int(state.get("steps", 0))
         self._micro, self._loss_sum = 0, None
 

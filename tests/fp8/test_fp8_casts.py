@@ -128,3 +128,51 @@ def test_sqnr_is_nan_for_nan_and_inf_for_equal():
     y[3] = float("nan")
     assert math.isnan(sqnr_db(x, y))
     assert sqnr_db(x, torch.zeros(10)) == pytest.approx(0.0)
+
+
+# ---------------------------------------------------------------- the exported casts' gradients (issue 28.3)
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("rowwise", [False, True], ids=["tensorwise", "rowwise"])
+def test_the_round_trip_passes_the_gradient_through_unchanged(fmt, dtype, rowwise):
+    # the old casts sent the gradient through autograd's fp8 cast unscaled: ~1e-2 came back 100% zero
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(32, 64, generator=gen) * 1e-3).to(dtype).requires_grad_()
+    g = torch.randn(32, 64, generator=gen) * 1e-2
+    s = current_scale(amax(x, -1 if rowwise else None), fmt)
+    y = dequantize(quantize(x, s, fmt), s)
+    assert y.dtype == torch.float32 and y.requires_grad
+    y.backward(g)
+    assert x.grad.dtype == dtype and torch.equal(x.grad, g.to(dtype))  # as torchao's casts: the identity
+    assert torch.equal(y.detach(), dequantize(quantize(x.detach(), s, fmt), s))  # forward untouched
+
+
+def test_another_dequantization_scale_gets_the_chain_rules_factor():
+    x = torch.randn(16, generator=torch.Generator().manual_seed(1)).requires_grad_()
+    s_q, s_d = torch.tensor(8.0), torch.tensor(2.0)
+    dequantize(quantize(x, s_q, E4M3), s_d).backward(torch.ones(16))
+    assert torch.equal(x.grad, torch.full((16,), 4.0))  # d(round(x * 8) / 2)/dx = 4 (straight through the rounding)
+
+
+def test_bits_used_otherwise_than_through_dequantize_are_loud_not_silently_zero():
+    x = torch.randn(8, 8).requires_grad_()
+    q = quantize(x, torch.tensor(4.0), E4M3)
+    assert q.requires_grad and q.dtype == E4M3.dtype
+    with pytest.raises(ValueError, match="not quantize\\(\\)'s output itself \\(a view"):
+        dequantize(q.t(), torch.tensor(4.0))
+    with pytest.raises(RuntimeError, match="a gradient reached quantize\\(\\)'s fp8 output through an op other than"):
+        (q.float() * 1e-2).sum().backward()
+    with torch.no_grad():  # without autograd: plain bits, as before
+        assert not quantize(x, torch.tensor(4.0), E4M3).requires_grad
+    assert not quantize(x.detach(), torch.tensor(4.0), E4M3).requires_grad
+
+
+@pytest.mark.parametrize("s", [0.0, -1.0, float("inf"), float("nan"), torch.tensor([1.0, 0.0])],
+                         ids=["zero", "negative", "inf", "nan", "a-zero-row"])
+def test_a_scale_that_is_not_finite_and_positive_is_refused(s):
+    x = torch.randn(2, 4)
+    with pytest.raises(ValueError, match="quantize: the scale must be finite and positive everywhere"):
+        quantize(x, s if isinstance(s, torch.Tensor) else torch.tensor(s), E4M3)
+    with pytest.raises(ValueError, match="dequantize: the scale must be finite and positive"):
+        dequantize(quantize(x, torch.tensor(1.0), E4M3), s)

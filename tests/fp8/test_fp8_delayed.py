@@ -155,3 +155,57 @@ def test_an_eval_forward_leaves_the_history_alone():
     lin.train()
     lin(torch.randn(8, 32))
     assert (lin.fp8_amax_history[0, :2] > 0).all()
+
+
+# ---------------------------------------------------------------- where mixprec and TE meet, or differ on purpose (issue 28.4)
+
+def _fmaxf_amax(values: list[float]) -> float:
+    """TE's cast kernels: ``amax = fmaxf(fabsf(v), amax)`` from 0 (CUDA's fmaxf returns the other operand of a NaN)."""
+    amax = 0.0
+    for v in values:
+        a = abs(v)
+        amax = amax if math.isnan(a) else (a if math.isnan(amax) or a > amax else amax)
+    return amax
+
+
+@pytest.mark.parametrize("poison", ["one-nan", "nan-and-inf", "all-nan", "none"])
+def test_a_delayed_layer_records_the_amax_te_records_nan_elements_skipped(poison):
+    lin = fp8_linear(32, 16, scaling="delayed", history=4)
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(0))
+    if poison == "one-nan":
+        x[3, 5] = float("nan")
+    elif poison == "nan-and-inf":
+        x[3, 5], x[0, 0] = float("nan"), float("-inf")
+    elif poison == "all-nan":
+        x[:] = float("nan")
+    x.requires_grad_()
+    lin(x).float().sum().backward()
+    got = lin.fp8_amax_history[0].tolist()
+    assert got[0] == _fmaxf_amax(x.detach().flatten().tolist())  # NaN is never recorded: what TE's fmaxf gives
+    assert got[1] == _fmaxf_amax(lin.weight.detach().flatten().tolist())
+    assert not any(math.isnan(v) for v in got)
+
+
+def test_eval_forwards_leave_delayed_scaling_as_it_was_unlike_te():
+    # TE's casts raise the current slot in every forward, eval included (its update waits for a forward with
+    # grad enabled, so an eval pass's amax joins the next training step's). mixprec leaves the history alone in
+    # model.eval() and under no_grad: evaluating between steps does not change training, bit for bit.
+    def run(with_eval: bool):
+        lin = fp8_linear(32, 16, scaling="delayed", history=4)
+        g, g_eval = torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)
+        outs = []
+        for step in range(4):
+            x = torch.randn(8, 32, generator=g)
+            if with_eval:
+                big = torch.randn(8, 32, generator=g_eval) * 1e3  # an eval batch 1000x larger than training's
+                lin.eval()
+                lin(big)
+                lin.train()
+                with torch.no_grad():
+                    lin(big)
+            outs.append(_step(lin, x).detach())
+        return outs, lin.fp8_amax_history.clone(), lin.fp8_scale.clone()
+
+    plain, evaluated = run(False), run(True)
+    assert all(torch.equal(a, b) for a, b in zip(plain[0], evaluated[0]))
+    assert torch.equal(plain[1], evaluated[1]) and torch.equal(plain[2], evaluated[2])

@@ -48,7 +48,7 @@ def test_the_guard_names_an_fp8_layer_that_saturates_and_warns_once():
     assert len([w for w in rec if "2:" in str(w.message) and "input" in str(w.message)]) == 1
     assert "fp8 layer 2" in mp.guard.summary()
     mp.guard.detach()
-    assert net[2].fp8_observer is None  # no trace left on the model
+    assert net[2].fp8_observers == ()  # no trace left on the model
 
 
 def test_the_guard_in_record_mode_records_without_warning_and_current_scaling_saturates_nothing():
@@ -139,3 +139,43 @@ def test_doctor_on_a_recipe_without_fp8_says_so():
     report = mixprec.doctor(TINY, recipe="bf16-mixed", device="cpu", steps=1)
     f = next(f for f in report.findings if f.check == "fp8-casts")
     assert f.status == "ok" and "nothing in fp8" in f.summary
+
+
+def test_observers_compose_each_sees_every_cast_and_each_is_removed_alone():
+    lin = fp8_linear(32, 16)
+    x = torch.randn(8, 32)
+    a, b = CastObserver(lin).attach(), CastObserver(lin, full=False).attach()
+    a.attach()  # twice is once
+    assert len(lin.fp8_observers) == 2
+    lin(x).sum().backward()
+    ra, rb = a.read(), b.read()
+    assert [(c.role, c.numel, c.zeros, c.saturated) for c in ra] == [(c.role, c.numel, c.zeros, c.saturated) for c in rb]
+    assert {c.role for c in ra} == {"input", "weight", "grad_output"} and ra[0].casts == 1
+    a.detach()
+    lin(x).sum().backward()
+    assert a.read() == [] and len(b.read()) == 3  # b still watches
+    b.detach()
+    assert lin.fp8_observers == ()
+
+
+@pytest.mark.parametrize("probe", ["probe_fp8_casts", "probe_grad_underflow", "probe_activation_range"])
+def test_a_probe_leaves_the_guards_fp8_watch_on(probe):
+    # issue 28.2: after one probe the guard's watch was gone, and a x4000 spike 38 steps later went unrecorded
+    net = _mlp()
+    mp = MixedPrecision("fp8-delayed", "cpu", nan_guard="record", fp8={"amax_history_len": 4})
+    mp.prepare(net)
+    opt = torch.optim.SGD(mp.parameters(net), lr=1e-3)
+    _spiky_steps(mp, net, opt, spike_at=-1, steps=3)
+    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(99))
+    closure = lambda: net(x).float().square().mean()  # noqa: E731
+    if probe == "probe_fp8_casts":
+        assert probe_fp8_casts(net, closure, autocast=mp.autocast)
+    elif probe == "probe_grad_underflow":
+        assert mixprec.probe_grad_underflow(net, closure).fp8
+    else:
+        mixprec.probe_activation_range(net, closure)
+    assert len(net[2].fp8_observers) == 1  # the guard's, and only it
+    before = len(mp.guard.fp8_saturations)
+    _spiky_steps(mp, net, opt, spike_at=0, steps=1)  # a x40 spike: cast with the quiet steps' scale, it saturates
+    new = mp.guard.fp8_saturations[before:]
+    assert new and new[0].layer == "2" and new[0].role == "input" and new[0].fraction > 0.1

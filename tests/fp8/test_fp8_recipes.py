@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import pytest
@@ -11,7 +12,7 @@ from torch import nn
 import mixprec
 from fp8_helpers import tiny_gpt
 from mixprec import MixedPrecision
-from mixprec.fp8 import Fp8Linear, Fp8Warning, fp8_layers, remove_fp8
+from mixprec.fp8 import Fp8Error, Fp8Linear, Fp8Warning, fp8_layers, remove_fp8
 from mixprec.recipes import Fp8Spec, get_recipe, resolve_recipe
 
 
@@ -27,6 +28,11 @@ def test_recipes_are_bf16_mixed_with_an_fp8_spec_and_fp8_means_current_scaling()
     assert (d.format, d.amax_history_len, d.amax_compute_algo, d.margin) == ("hybrid", 1024, "max", 0)  # TE's defaults
     assert get_recipe("fp8-unscaled").fp8.format == "e4m3" and "UNSAFE" in get_recipe("fp8-unscaled").description
     assert resolve_recipe("fp8", "cpu").name == "fp8-current"
+    # issue 29.8: describe() said "fp8-current (requested)" when "fp8" was asked for
+    assert MixedPrecision("fp8", "cpu").describe().splitlines()[0] == "recipe   fp8-current  (requested as 'fp8')"
+    assert MixedPrecision("fp8-current", "cpu").describe().splitlines()[0] == "recipe   fp8-current  (requested)"
+    assert MixedPrecision("fp8", "cpu").recipe == dataclasses.replace(get_recipe("fp8-current"), reason="requested as 'fp8'")
+    assert MixedPrecision("FP8-Current", "cpu").recipe is get_recipe("fp8-current")  # the name itself, in any case
 
 
 @pytest.mark.parametrize("options, match", [
@@ -36,10 +42,95 @@ def test_recipes_are_bf16_mixed_with_an_fp8_spec_and_fp8_means_current_scaling()
     ({"scaling": "sometimes"}, "scaling='sometimes'"),
     ({"granularity": "rowwise", "scaling": "delayed"}, "rowwise scaling needs scaling='current'"),
     ({"history": 4}, r"unknown fp8 option\(s\) \['history'\]; expected some of scaling, format"),
+    # issue 33: a margin of 200 made every delayed scale 0 after 4 steps (NaN loss, nothing said)
+    ({"margin": 200}, r"margin=200: .* past margin 14 is below e4m3's smallest normal .* from 0 \(TE's default\) to 14"),
+    ({"margin": 15}, "past margin 14"),
+    ({"margin": 1.5}, "margin must be an integer >= 0, got 1.5"),
+    ({"amax_history_len": True}, "amax_history_len must be an integer >= 1, got True"),
+    ({"pow2_scales": "yes"}, "pow2_scales must be True or False, got 'yes'"),
+    ({"skip_first_last": 0}, "skip_first_last must be True or False, got 0"),
+    # issue 33: options only delayed scaling reads, under another scaling, were accepted and ignored
+    ({"scaling": "current", "margin": 1}, "margin applies to delayed scaling only; with scaling='current' it would be ignored"),
+    ({"scaling": "none", "amax_history_len": 16, "amax_compute_algo": "most_recent"},
+     "amax_history_len, amax_compute_algo apply to delayed scaling only; with scaling='none'"),
 ])
 def test_bad_fp8_options_are_refused_with_what_is_allowed(options, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises((ValueError, TypeError), match=match):
         MixedPrecision("fp8-delayed", "cpu", fp8=options)
+
+
+@pytest.mark.parametrize("recipe, options", [
+    ("fp8-current", {"amax_history_len": 1024}),  # even at its default: asking for it means expecting it to act
+    ("fp8-current", {"margin": 0}),
+    ("fp8", {"amax_compute_algo": "max"}),
+    ("fp8-unscaled", {"margin": 2}),
+])
+def test_delayed_only_options_on_a_recipe_without_delayed_scaling_are_refused(recipe, options):
+    with pytest.raises(ValueError, match=f"fp8 {next(iter(options))} applies to delayed scaling only"):
+        MixedPrecision(recipe, "cpu", fp8=options)
+    with pytest.raises(ValueError, match="applies to delayed scaling only"):  # a whole Fp8Spec too (off its default)
+        Fp8Spec("current", margin=1)
+
+
+def test_the_largest_margin_allowed_keeps_every_scale_positive_and_finite():
+    from fp8_helpers import build, train
+
+    model, mp, opt = build("fp8-delayed", fp8={"margin": 14, "amax_history_len": 4})
+    losses = train(model, mp, opt, range(4))
+    assert all(l == l and abs(l) != float("inf") for l in losses)
+    for s in mp.fp8.scales().values():
+        assert bool((torch.isfinite(s) & (s > 0)).all()), s
+
+
+def test_an_exclude_glob_that_matches_no_layer_is_refused_like_an_unmatched_fp32_module():
+    mp = MixedPrecision("fp8-current", "cpu", fp8={"exclude": ("blocks.0.*", "does.not.exist")})
+    with pytest.raises(ValueError, match=r"exclude pattern\(s\) \['does.not.exist'\] match no nn.Linear or Conv1D of "
+                                         r"CharGPT; they are globs on the layers' qualified names, which are \['blocks.0.qkv'"):
+        mp.prepare(tiny_gpt())
+    with pytest.raises(ValueError, match="matches no submodule"):  # what fp32_modules does with the same typo
+        MixedPrecision("fp8-current", "cpu", fp32_modules=["does.not.exist"]).prepare(tiny_gpt())
+    with pytest.raises(ValueError, match=r"\['blocks.0'\] match no"):  # a module, not a layer: say to glob
+        MixedPrecision("fp8-current", "cpu", fp8={"exclude": ("blocks.0",)}).prepare(tiny_gpt())
+
+
+def test_fp8_state_into_a_prepared_bf16_mixed_run_says_the_checkpoint_is_fp8_and_this_run_is_not():
+    from fp8_helpers import build, train
+
+    model, mp, opt = build("fp8-delayed", fp8={"amax_history_len": 4})
+    train(model, mp, opt, range(2))
+    state = mp.state_dict()
+    other = MixedPrecision("bf16-mixed", "cpu")
+    other.prepare(tiny_gpt())
+    with pytest.raises(ValueError, match=r"holds fp8 scaling state \('delayed' scaling, 7 fp8 layers, recipe 'fp8-delayed'\); "
+                                         r"this run's recipe 'bf16-mixed' has no fp8 layers"):
+        other.load_state_dict(state, strict=False)
+    other.load_state_dict({k: v for k, v in state.items() if k != "fp8"}, strict=False)  # the way out it names
+    with pytest.raises(RuntimeError, match="call mp.prepare"):  # an fp8 recipe not prepared yet: that, as before
+        MixedPrecision("fp8-delayed", "cpu", fp8={"amax_history_len": 4}).load_state_dict(state)
+
+
+@pytest.mark.parametrize("damage, match", [
+    (lambda e: e["scale"].zero_(), "scale .* is not finite and positive everywhere"),
+    (lambda e: e["scale"].fill_(float("inf")), "is not finite and positive"),
+    (lambda e: e["scale"].fill_(float("nan")), "is not finite and positive"),
+    (lambda e: e.update(scale=torch.ones(2)), r"scale is torch.float32 \(2,\), expected \(3,\)"),
+    (lambda e: e.pop("scale"), "must hold the tensors 'amax_history' and 'scale'"),
+])
+def test_a_damaged_fp8_state_is_refused_before_any_layer_changes(damage, match):
+    import copy
+
+    from fp8_helpers import build, train
+
+    model, mp, opt = build("fp8-delayed", fp8={"amax_history_len": 4})
+    train(model, mp, opt, range(2))
+    state = copy.deepcopy(mp.state_dict())
+    damage(state["fp8"]["layers"][sorted(state["fp8"]["layers"])[-1]])  # the last layer: the others come first
+    before = {n: m.fp8_scale.clone() + 1 for n, m in fp8_layers(model)}
+    for n, m in fp8_layers(model):
+        m.fp8_scale.copy_(before[n])
+    with pytest.raises(ValueError, match=match):
+        mp.load_state_dict(state)
+    assert all(torch.equal(m.fp8_scale, before[n]) for n, m in fp8_layers(model))  # validated, then loaded: untouched
 
 
 def test_fp8_options_on_a_recipe_without_fp8_are_refused():
@@ -82,12 +173,44 @@ def test_an_lm_head_tied_to_the_embedding_stays_bf16():
     assert "LM head" in next(ln for ln in mp.describe().splitlines() if ln.split()[0:1] == ["head"])
 
 
-def test_a_model_with_no_eligible_linear_warns_and_trains_as_bf16_mixed():
+def test_a_model_with_no_eligible_linear_is_refused_instead_of_training_bf16_mixed_under_an_fp8_name():
     model = nn.Sequential(nn.Linear(10, 20), nn.ReLU(), nn.Linear(20, 3))
     mp = MixedPrecision("fp8-current", "cpu")
-    with pytest.warns(Fp8Warning, match="no layer of this model computes in fp8 .*0: 10x20: fp8 GEMMs need"):
+    with pytest.raises(Fp8Error, match=r"recipe 'fp8-current': no layer of this model would compute in fp8 "
+                                       r"\(0: 10x20: fp8 GEMMs need .*train as bf16-mixed under the name 'fp8-current'"):
         mp.prepare(model)
-    assert mp.fp8.layers == [] and not any(isinstance(m, Fp8Linear) for m in model.modules())
+    assert not any(isinstance(m, Fp8Linear) for m in model.modules())
+    with pytest.raises(Fp8Error, match="it has no nn.Linear or Conv1D at all"):
+        MixedPrecision("fp8", "cpu").prepare(nn.Sequential(nn.ReLU()))
+    assert issubclass(Fp8Error, ValueError)
+
+
+class _OnlyTheHead(nn.Module):
+    """Every matmul but the tied LM head is ineligible (20 is not a multiple of 16)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.tok = nn.Embedding(96, 32)
+        self.down, self.up = nn.Linear(32, 20), nn.Linear(20, 32)
+        self.lm_head = nn.Linear(32, 96, bias=False)
+        self.lm_head.weight = self.tok.weight
+
+    def forward(self, x):
+        return self.lm_head(self.up(torch.relu(self.down(self.tok(x)))))
+
+
+def test_an_fp8_run_whose_only_fp8_layer_is_the_lm_head_warns_and_carries_a_loud_note():
+    mp = MixedPrecision("fp8-current", "cpu", fp8={"skip_first_last": False})
+    with pytest.warns(Fp8Warning, match=r"the only layer in fp8 is the LM head 'lm_head' \(torchao keeps it in bf16"):
+        mp.prepare(_OnlyTheHead())
+    assert mp.fp8.note and "not an fp8 run of the model" in mp.fp8.note
+    assert "WARNING: recipe 'fp8-current': the only layer in fp8 is the LM head" in mp.describe()
+    with pytest.raises(Fp8Error):  # with torchao's rules (the default) it has nothing at all
+        MixedPrecision("fp8-current", "cpu").prepare(_OnlyTheHead())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a model with other fp8 layers says nothing
+        assert MixedPrecision("fp8-current", "cpu", fp8={"skip_first_last": False}).prepare(tiny_gpt()) is not None
 
 
 def test_the_swap_keeps_parameters_hooks_and_state_dict_keys_and_remove_fp8_undoes_it():

@@ -72,3 +72,24 @@ def test_with_bf16_inputs_only_the_weight_gradients_rounding_differs():
     assert a[2].dtype == b[2].dtype == torch.float32
     assert not torch.equal(a[2], b[2])
     assert torch.equal(a[2].bfloat16().float(), b[2])  # torchao's is ours rounded to bf16
+
+
+@pytest.mark.parametrize("fmt_name", ["e4m3", "e5m2"])
+def test_the_exported_casts_pass_gradients_as_torchaos_do(fmt_name):
+    from torchao.float8.float8_training_tensor import hp_tensor_and_scale_to_float8
+
+    from mixprec.fp8 import amax, current_scale, dequantize, quantize
+    from mixprec.fp8.casts import E4M3, E5M2
+
+    fmt = E4M3 if fmt_name == "e4m3" else E5M2
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(16, 32, generator=gen) * 1e-3
+    g = torch.randn(16, 32, generator=gen) * 1e-2
+    s = current_scale(amax(x), fmt)
+    ours, theirs = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y = dequantize(quantize(ours, s, fmt), s)
+    y_ref = hp_tensor_and_scale_to_float8(theirs, s, fmt.dtype).to_original_precision()
+    assert torch.equal(y, y_ref)
+    y.backward(g)
+    y_ref.backward(g)
+    assert torch.equal(ours.grad, theirs.grad) and bool((ours.grad != 0).all())

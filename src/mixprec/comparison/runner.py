@@ -60,6 +60,7 @@ class RunResult:
         steps_requested: the steps asked for; ``len(loss)`` is less when the run stopped early.
         stopped: why the run stopped early (None when it ran all steps).
         error: the failure of a candidate run that raised (its records end at the failing step).
+        notes: what every report showing this run's verdict must say (an fp8 run whose only fp8 layer is its LM head).
     """
 
     label: str
@@ -78,6 +79,7 @@ class RunResult:
     steps_requested: int
     stopped: str | None = None
     error: str | None = None
+    notes: tuple[str, ...] = ()
 
     @property
     def steps(self) -> int:
@@ -105,6 +107,7 @@ class RunResult:
             "steps_requested": self.steps_requested,
             "stopped": self.stopped,
             "error": self.error,
+            "notes": list(self.notes),
             "wall_s": self.wall_s,
             "median_step_s": _finite_or_none(self.median_step_s),
             "peak_memory_bytes": self.peak_memory_bytes,
@@ -256,10 +259,15 @@ def run_recipe(
         torch.cuda.reset_peak_memory_stats(dev)
     t_start = time.perf_counter()
     model = _build_model(task, seed, dev)
+    refused = None
     try:
         model = mp.prepare(model, parallel=parallel) if parallel else mp.prepare(model)
     except ValueError as e:
-        raise TaskError(f"task {task.name!r} under recipe {name!r}: {e}") from None
+        from mixprec.fp8.state import Fp8Error  # an fp8 recipe with no fp8 layer here: an ERROR row, not a TRACKS
+
+        if role != "candidate" or not isinstance(e, Fp8Error):
+            raise TaskError(f"task {task.name!r} under recipe {name!r}: {e}") from None
+        refused = RunError(label, 0, e)
     optimizer = task.build_optimizer(mp.parameters(model))  # fp32 masters for the -true recipes
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TaskError(
@@ -269,10 +277,10 @@ def run_recipe(
 
     records: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
     timer = _StepTimer(dev)
-    stopped = error = None
+    stopped, error = None, refused
     check_every = 1 if dev.type == "cpu" else 10  # a CPU read is free; on CUDA it is a sync
     timer.mark()
-    for step in range(steps):
+    for step in range(steps if refused is None else 0):
         try:
             inputs, targets = _call_get_batch(task, step)
             if parallel:
@@ -332,6 +340,7 @@ def run_recipe(
         steps_requested=steps,
         stopped=stopped,
         error=None if error is None else str(error),
+        notes=(mp.fp8.note,) if mp.fp8 is not None and mp.fp8.note else (),
     )
 
 

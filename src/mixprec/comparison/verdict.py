@@ -229,7 +229,13 @@ def scale_summary(run: Curves) -> dict[str, Any] | None:
 
 
 def judge(candidate: Curves, band: Band) -> Verdict:
-    """Apply the band's rule to one candidate run."""
+    """Apply the band's rule to one candidate run; its ``notes`` lead the message (every report shows them)."""
+    v = _judge(candidate, band)
+    notes = getattr(candidate, "notes", ())
+    return dataclasses.replace(v, message=" ".join(f"WARNING: {n}" for n in notes) + f" {v.message}") if notes else v
+
+
+def _judge(candidate: Curves, band: Band) -> Verdict:
     label, recipe = candidate.label, candidate.recipe
     scale = scale_summary(candidate)
     loss = np.asarray(candidate.loss, dtype=np.float64)

@@ -28,6 +28,7 @@ tensor([57344., 57344.])
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -60,6 +61,14 @@ def amax(x_hp: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     return a.float()
 
 
+def amax_fmax(x_hp: torch.Tensor) -> torch.Tensor:
+    """``max |x|`` as Transformer Engine's cast kernels compute it: a running ``fmaxf`` from 0, so a
+    NaN element is skipped (an all-NaN tensor gives 0) while an infinity is kept. Delayed scaling
+    records this one; current scaling keeps torchao's ``amax`` (a NaN makes the scale NaN)."""
+    a = x_hp.detach().abs().float()
+    return torch.where(torch.isnan(a), torch.zeros((), device=a.device), a).amax()
+
+
 def current_scale(amax_: torch.Tensor, fmt: FloatFormat, pow2: bool = False) -> torch.Tensor:
     """torchao's current (dynamic) scale: ``fp8_max / max(amax, 1e-12)`` in float64, as fp32;
     with ``pow2``, rounded down to a power of two (the cast then scales exactly)."""
@@ -81,15 +90,88 @@ def delayed_scale(amax_: torch.Tensor, previous: torch.Tensor, fmt: FloatFormat,
     return torch.where(torch.isinf(s), torch.full_like(s, _F32_MAX), s)
 
 
-def quantize(x_hp: torch.Tensor, s: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
+def quantize_raw(x_hp: torch.Tensor, s: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
     """``fp8(clamp(x * s, -max, max))``: the product in fp32 (as torchao, so bf16 inputs round once),
-    saturated before the cast so that no finite value overflows (see the module docstring)."""
+    saturated before the cast so that no finite value overflows (see the module docstring). The
+    fp8 layers' own cast: no check, no autograd (``quantize`` is the public, differentiable one)."""
     return torch.clamp(x_hp.float() * s, -fmt.max, fmt.max).to(fmt.dtype)
 
 
-def dequantize(x_q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+def dequantize_raw(x_q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     """``x_q / s`` in fp32 (a division, as torchao's emulation does it, so the products agree bit for bit)."""
     return x_q.float() / s
+
+
+_SOURCE = "_mixprec_fp8_source"  # on quantize()'s output: (the tensor it cast, its scale)
+
+
+class _Quantize(torch.autograd.Function):
+    """The bits require grad (so that a view or copy of them is seen by ``dequantize``), but their
+    gradient never flows here: ``dequantize`` passes it straight to the source."""
+
+    @staticmethod
+    def forward(ctx: Any, x_hp: torch.Tensor, s: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
+        return quantize_raw(x_hp, s, fmt)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> Any:
+        raise RuntimeError("a gradient reached quantize()'s fp8 output through an op other than dequantize(): autograd "
+                           "would carry it in fp8 without a scale (gradients of ~1e-2 flush to zero). Dequantize the "
+                           "fp8 tensor quantize() returned, then use the high-precision result")
+
+
+class _PassThrough(torch.autograd.Function):
+    """``dequantize(quantize(x, s), s')``: forward the round trip, backward ``g * s / s'`` to ``x``
+    (``g`` itself when ``s'`` is ``s``), as torchao's casts pass gradients through."""
+
+    @staticmethod
+    def forward(ctx: Any, x_q: torch.Tensor, s_deq: torch.Tensor, x_hp: torch.Tensor, s_q: torch.Tensor) -> torch.Tensor:
+        ctx.same = s_deq is s_q
+        ctx.save_for_backward(s_deq, s_q)
+        return dequantize_raw(x_q, s_deq)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> Any:
+        s_deq, s_q = ctx.saved_tensors
+        return None, None, g if ctx.same else g * (s_q / s_deq), None
+
+
+def _check_scale(s: Any, what: str) -> torch.Tensor:
+    s = torch.as_tensor(s, dtype=torch.float32)
+    if not s.is_floating_point() or not bool((torch.isfinite(s) & (s > 0)).all()):
+        raise ValueError(f"{what}: the scale must be finite and positive everywhere, got {s.tolist() if s.numel() <= 8 else s}"
+                         " (a scale of 0 zeroes every value, an infinite one saturates them); compute it with "
+                         "current_scale(amax(x), fmt) or delayed_scale(...)")
+    return s
+
+
+def quantize(x_hp: torch.Tensor, s: torch.Tensor | float, fmt: FloatFormat) -> torch.Tensor:
+    """``fp8(clamp(x * s, -max, max))`` (``quantize_raw``), differentiable as torchao's casts are:
+    ``dequantize`` of the result passes the gradient straight through to ``x_hp`` (the round trip's
+    gradient is the identity, not a gradient cast to fp8). Checks that ``s`` is finite and positive
+    (one host read)."""
+    s = _check_scale(s, "quantize").to(x_hp.device)
+    if not (torch.is_grad_enabled() and x_hp.requires_grad):
+        return quantize_raw(x_hp, s, fmt)
+    x_q = _Quantize.apply(x_hp, s, fmt)
+    setattr(x_q, _SOURCE, (x_hp, s))
+    return x_q
+
+
+def dequantize(x_q: torch.Tensor, s: torch.Tensor | float) -> torch.Tensor:
+    """``x_q / s`` in fp32 (``dequantize_raw``). Given ``quantize()``'s own output, the gradient
+    passes through to the tensor it cast (times ``s_quantize / s``: exactly the incoming gradient
+    when the scale is the same). Raises for fp8 bits that require grad but are not that output (a
+    view or a copy: autograd would cast their gradient to fp8 unscaled); checks ``s`` as ``quantize``."""
+    s = _check_scale(s, "dequantize").to(x_q.device)
+    source = getattr(x_q, _SOURCE, None)
+    if torch.is_grad_enabled() and source is not None:
+        return _PassThrough.apply(x_q.detach(), s, *source)  # (the bits themselves take no gradient)
+    if torch.is_grad_enabled() and x_q.requires_grad:
+        raise ValueError("dequantize() got fp8 bits that require grad but are not quantize()'s output itself (a view, "
+                         "a slice or a copy of it): their gradient would reach quantize() cast to fp8 without a scale. "
+                         "Dequantize quantize()'s output, then reshape or slice the high-precision result")
+    return dequantize_raw(x_q, s)
 
 
 def saturation_threshold(fmt: FloatFormat) -> float:

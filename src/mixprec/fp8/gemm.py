@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from mixprec.fp8.casts import dequantize
+from mixprec.fp8.casts import dequantize_raw as dequantize
 
 
 def _col_major(t: torch.Tensor) -> torch.Tensor:

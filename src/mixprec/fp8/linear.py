@@ -1,4 +1,5 @@
-"""``Fp8Linear``: an ``nn.Linear`` whose three GEMMs take fp8 operands.
+"""``Fp8Linear``: an ``nn.Linear`` whose three GEMMs take fp8 operands (and ``Fp8Matmul``, what it
+shares with the fp8 form of Hugging Face's ``Conv1D``, ``mixprec.fp8.conv1d``).
 
 Forward casts the input and the weight to fp8 with their scales and multiplies; backward casts the
 output gradient (e5m2 under the hybrid format) and computes the input and weight gradients from fp8
@@ -9,6 +10,9 @@ scaling saves the high-precision tensors instead, since backward scales them alo
 The swap is done in place by ``mixprec.fp8.swap`` (the module's class becomes ``Fp8Linear``, its
 parameters, hooks and state-dict keys are untouched); the scaling state of delayed scaling lives in
 non-persistent buffers (``fp8_amax_history``, ``fp8_scale``), saved through ``mp.state_dict()``.
+
+Observers (``mixprec.fp8.observe``) compose: ``fp8_observers`` is a tuple, every one of them sees
+every cast, and each is removed alone.
 
 Autocast: like ``F.linear``, the layer computes from the autocast dtype when autocast is on (the
 input is cast to bf16 first, as torchao does) and returns that dtype; its own ops run with
@@ -25,7 +29,8 @@ import torch
 from torch import nn
 
 from mixprec.fp8 import gemm
-from mixprec.fp8.casts import FloatFormat, amax, current_scale, quantize, role_formats
+from mixprec.fp8.casts import FloatFormat, amax, amax_fmax, current_scale, role_formats
+from mixprec.fp8.casts import quantize_raw as quantize
 from mixprec.fp8.delayed import record_
 
 
@@ -64,20 +69,21 @@ class _Fp8LinearFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None,
-                history: torch.Tensor | None, cfg: Fp8Config, observer: Any) -> torch.Tensor:
+                history: torch.Tensor | None, cfg: Fp8Config, observers: tuple) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
         fx, fw, _ = cfg.formats
         sx, sw = cfg.scale(x2, 0, -1, scales), cfg.scale(weight, 1, -1, scales)
-        x_q, w_q = quantize(x2, sx, fx), quantize(weight, sw, fw)
-        if observer is not None:
-            observer.cast(0, x2, x_q, sx, fx)
-            observer.cast(1, weight, w_q, sw, fw)
+        # (``contiguous``: a transposed weight, Conv1D's, gives the bits nn.Linear's layout; a no-op otherwise)
+        x_q, w_q = quantize(x2, sx, fx), quantize(weight, sw, fw).contiguous()
+        for obs in observers:
+            obs.cast(0, x2, x_q, sx, fx)
+            obs.cast(1, weight, w_q, sw, fw)
         out = gemm.output(x_q, sx, w_q, sw, x.dtype, cfg.backend)
         if cfg.rowwise:  # backward scales along other axes: keep the high-precision tensors
             ctx.save_for_backward(x2, weight)
         else:
             ctx.save_for_backward(x_q, sx, w_q, sw)
-        ctx.cfg, ctx.scales, ctx.history, ctx.observer = cfg, scales, history, observer
+        ctx.cfg, ctx.scales, ctx.history, ctx.observers = cfg, scales, history, observers
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
@@ -94,16 +100,16 @@ class _Fp8LinearFn(torch.autograd.Function):
         fx, fw, fg = cfg.formats
         g2 = grad.reshape(-1, grad.shape[-1])
         if ctx.history is not None:  # delayed scaling: this step's grad_output amax
-            record_(ctx.history, 2, amax(g2))
+            record_(ctx.history, 2, amax_fmax(g2))  # (NaN skipped, as TE's fmaxf)
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_x = grad_w = None
-        obs = ctx.observer
+        observers = ctx.observers
         if cfg.rowwise:  # each gradient GEMM scales its operands along its own reduction axis
             x2, weight = ctx.saved_tensors
             if need_x:
                 sg, sw = cfg.scale(g2, 2, -1, None), cfg.scale(weight, 1, 0, None)
-                g_q, w_q = quantize(g2, sg, fg), quantize(weight, sw, fw)
-                if obs is not None:
+                g_q, w_q = quantize(g2, sg, fg), quantize(weight, sw, fw).contiguous()
+                for obs in observers:
                     obs.cast(2, g2, g_q, sg, fg)
                 grad_x = gemm.grad_input(g_q, sg, w_q, sw, ctx.x_dtype, cfg.backend)
             if need_w:
@@ -114,7 +120,7 @@ class _Fp8LinearFn(torch.autograd.Function):
             x_q, sx, w_q, sw = ctx.saved_tensors
             sg = cfg.scale(g2, 2, None, ctx.scales)
             g_q = quantize(g2, sg, fg)
-            if obs is not None:
+            for obs in observers:
                 obs.cast(2, g2, g_q, sg, fg)
             if need_x:
                 grad_x = gemm.grad_input(g_q, sg, w_q, sw, ctx.x_dtype, cfg.backend)
@@ -125,37 +131,53 @@ class _Fp8LinearFn(torch.autograd.Function):
         return grad_x, grad_w, None, None, None, None
 
 
-class Fp8Linear(nn.Linear):
-    """An ``nn.Linear`` computing in fp8 (made by ``mixprec.fp8.swap``, not constructed directly).
+class Fp8Matmul:
+    """What every fp8 layer shares (a mixin before the layer's own class): ``x @ W.T + b`` from fp8
+    operands, ``W`` given as ``(out, in)`` by ``fp8_weight()``.
 
     Attributes: ``fp8_config`` (``Fp8Config``), ``fp8_name`` (its qualified name in the model),
-    ``fp8_observer`` (a diagnostics observer, None when nothing watches), and for delayed scaling
-    the buffers ``fp8_amax_history`` (L x 3) and ``fp8_scale`` (3: input, weight, grad_output).
+    ``fp8_observers`` (diagnostics observers, a tuple: empty when nothing watches), and for delayed
+    scaling the buffers ``fp8_amax_history`` (L x 3) and ``fp8_scale`` (3: input, weight, grad_output).
     """
 
     fp8_config: Fp8Config
     fp8_name: str = ""
-    fp8_observer: Any = None
+    fp8_observers: tuple = ()
     fp8_original_class: type = nn.Linear
+    weight: nn.Parameter
+    bias: nn.Parameter | None
+    training: bool
+
+    def fp8_weight(self) -> torch.Tensor:
+        """The weight as ``(out_features, in_features)``."""
+        return self.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         device = x.device.type
         if torch.is_autocast_enabled(device):  # compute from the autocast dtype, as F.linear would
             x = x.to(torch.get_autocast_dtype(device))
         cfg = self.fp8_config
+        weight = self.fp8_weight()
         scales = history = None
         if cfg.scaling == "delayed":
             scales = self.fp8_scale
             if self.training and torch.is_grad_enabled():  # an eval forward leaves the history alone
                 history = self.fp8_amax_history
-                record_(history, slice(0, 2), torch.stack((amax(x), amax(self.weight))))
+                record_(history, slice(0, 2), torch.stack((amax_fmax(x), amax_fmax(weight))))
         with torch.autocast(device, enabled=False):
-            out = _Fp8LinearFn.apply(x, self.weight, scales, history, cfg, self.fp8_observer)
+            out = _Fp8LinearFn.apply(x, weight, scales, history, cfg, self.fp8_observers)
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)
         return out
 
-    def extra_repr(self) -> str:
+    def fp8_repr(self) -> str:
         c = self.fp8_config
         fmts = "/".join(f.name for f in c.formats)
-        return f"{super().extra_repr()}, fp8={c.scaling}{' rowwise' if c.rowwise else ''} {fmts} ({c.backend})"
+        return f"fp8={c.scaling}{' rowwise' if c.rowwise else ''} {fmts} ({c.backend})"
+
+
+class Fp8Linear(Fp8Matmul, nn.Linear):
+    """An ``nn.Linear`` computing in fp8 (made by ``mixprec.fp8.swap``, not constructed directly)."""
+
+    def extra_repr(self) -> str:
+        return f"{nn.Linear.extra_repr(self)}, {self.fp8_repr()}"

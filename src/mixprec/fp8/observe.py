@@ -2,8 +2,10 @@
 
 Diagnostics (the NaN guard, the probes, ``doctor``) attach a ``CastObserver`` to a model's fp8
 layers; every cast then adds a few reductions on the device (counts, and for ``full=True`` the signal
-and noise power), and ``read()`` fetches them all in one transfer. Eager only: a compiled model is
-watched with its observers detached (they are ``None`` then, and cost nothing).
+and noise power), and ``read()`` fetches them all in one transfer. Observers compose: a layer holds
+a tuple of them (``fp8_observers``), each sees every cast, and ``detach`` removes only its own (a
+probe run while the guard watches leaves the guard watching). Eager only: a compiled model is
+watched with its observers detached (the tuple is empty then, and costs nothing).
 
 Per (layer, role) and over every cast since the last read:
 
@@ -23,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.fp8.casts import ROLES, FloatFormat, dequantize, saturation_threshold
+from mixprec.fp8.casts import ROLES, FloatFormat, dequantize_raw, saturation_threshold
 from mixprec.fp8.swap import fp8_layers
 
 
@@ -107,15 +109,18 @@ class CastObserver:
         self._layers: list[Any] = []
 
     def attach(self) -> "CastObserver":
-        self._layers = [m for _, m in fp8_layers(self.model)]
-        for name, m in fp8_layers(self.model):
-            m.fp8_observer = _Bound(self, name)
+        """Start watching every fp8 layer of the model (beside any other observer; twice is once)."""
+        self.detach()
+        layers = fp8_layers(self.model)
+        for name, m in layers:
+            m.fp8_observers = (*m.fp8_observers, _Bound(self, name))
+        self._layers = [m for _, m in layers]
         return self
 
     def detach(self) -> None:
+        """Stop watching; other observers of the same layers keep theirs."""
         for m in self._layers:
-            if isinstance(m.fp8_observer, _Bound) and m.fp8_observer.observer is self:
-                m.fp8_observer = None
+            m.fp8_observers = tuple(b for b in m.fp8_observers if b.observer is not self)
         self._layers = []
 
     def __enter__(self) -> "CastObserver":
@@ -144,7 +149,7 @@ class CastObserver:
                 (nonzero & (x_q.float() == 0)).sum().to(f64), (scaled >= saturation_threshold(fmt)).sum().to(f64)]
         if self.full:
             d = x.double()
-            vals += [d.square().sum(), (d - dequantize(x_q, s).double()).square().sum()]
+            vals += [d.square().sum(), (d - dequantize_raw(x_q, s).double()).square().sum()]
         else:
             vals += [torch.full((), float("nan"), dtype=f64, device=x.device)] * 2
         vals += [x.abs().amax().to(f64) if x.numel() else torch.zeros((), dtype=f64, device=x.device),

@@ -1,7 +1,9 @@
 """``Fp8Training``: what ``MixedPrecision`` holds for an fp8 recipe, and the three points where it acts.
 
-- ``prepare``: ``Fp8Training.attach`` swaps the eligible linears (``swap``) and keeps the decisions;
-  a model with no eligible linear gets an ``Fp8Warning`` (it then trains as bf16-mixed).
+- ``prepare``: ``Fp8Training.attach`` swaps the eligible layers (``swap``) and keeps the decisions.
+  A model with no eligible layer is refused (``Fp8Error``): it would train as bf16-mixed under an
+  fp8 name. One whose only fp8 layer is its LM head (what torchao keeps in bf16) gets an
+  ``Fp8Warning`` and a ``note`` that reports showing a verdict print (``mixprec compare``).
 - ``step``: ``after_step(skipped)`` ends the step of delayed scaling (``delayed.update``); the skip
   flag stays on the device.
 - ``state_dict``: each delayed-scaling layer's history and scales, by qualified name, so that a
@@ -18,11 +20,16 @@ import torch
 from torch import nn
 
 from mixprec.fp8 import delayed
+from mixprec.fp8.options import check_options
 from mixprec.fp8.swap import Decision, backend_for, fp8_layers, swap
 
 
 class Fp8Warning(UserWarning):
-    """An fp8 recipe that cannot do what it says (no eligible layer, for one)."""
+    """An fp8 recipe that does something ill-advised (its only fp8 layer is the LM head, for one)."""
+
+
+class Fp8Error(ValueError):
+    """An fp8 recipe that cannot apply to this model: no layer of it would compute in fp8."""
 
 
 def describe_spec(spec: Any, backend: str | None = None) -> str:
@@ -52,17 +59,45 @@ def with_options(recipe: Any, options: Any) -> Any:
     fields = [f.name for f in dataclasses.fields(Fp8Spec)]
     if set(options) - set(fields):
         raise ValueError(f"unknown fp8 option(s) {sorted(set(options) - set(fields))}; expected some of {', '.join(fields)}")
-    return dataclasses.replace(recipe.fp8, **options)
+    spec = dataclasses.replace(recipe.fp8, **options)
+    check_options(spec.scaling, options)
+    return spec
 
 
-def load_fp8_state(fp8: "Fp8Training | None", state: dict[str, Any] | None) -> None:
-    """``MixedPrecision.load_state_dict``'s fp8 part: refuses fp8 state before ``prepare``."""
+def load_fp8_state(mp: Any, state: dict[str, Any] | None, saved_recipe: Any = None) -> None:
+    """``MixedPrecision.load_state_dict``'s fp8 part: refuses fp8 state that this run cannot take
+    (not an fp8 recipe; not prepared yet), saying which."""
+    fp8 = mp.fp8
     if fp8 is None:
-        if state and state.get("layers"):
-            raise RuntimeError("the checkpoint holds fp8 scaling state: call mp.prepare(model) before mp.load_state_dict")
-        return
+        if not (state and state.get("layers")):
+            return
+        if mp.fp8_spec is None:
+            raise ValueError(f"the checkpoint holds fp8 scaling state ({state.get('scaling')!r} scaling, "
+                             f"{len(state['layers'])} fp8 layers, recipe {saved_recipe!r}); this run's recipe "
+                             f"{mp.recipe.name!r} has no fp8 layers, so it cannot take it. Resume with the checkpoint's "
+                             "recipe, or leave the fp8 part out: mp.load_state_dict({k: v for k, v in state.items() "
+                             "if k != 'fp8'}, strict=False)")
+        raise RuntimeError("the checkpoint holds fp8 scaling state: call mp.prepare(model) before mp.load_state_dict")
     if state is not None:
         fp8.load_state_dict(state)
+
+
+def check_layer_state(name: str, entry: Any, m: Any) -> None:
+    """One delayed-scaling layer's saved state: its shapes, and scales that are finite and positive
+    (a scale of 0 or inf would silently zero or saturate every cast)."""
+    if not isinstance(entry, dict) or not all(isinstance(entry.get(k), torch.Tensor) for k in ("amax_history", "scale")):
+        raise ValueError(f"fp8 layer {name!r}: the checkpoint's entry must hold the tensors 'amax_history' and 'scale'")
+    h, s = entry["amax_history"], entry["scale"]
+    if h.shape != m.fp8_amax_history.shape:
+        raise ValueError(f"fp8 layer {name!r}: the checkpoint's amax history has shape {tuple(h.shape)}, this "
+                         f"recipe's {tuple(m.fp8_amax_history.shape)} (a different amax_history_len)")
+    if s.shape != m.fp8_scale.shape or not s.is_floating_point():
+        raise ValueError(f"fp8 layer {name!r}: the checkpoint's scale is {s.dtype} {tuple(s.shape)}, expected "
+                         f"{tuple(m.fp8_scale.shape)} floats (input, weight, grad_output)")
+    bad = ~(torch.isfinite(s) & (s > 0))
+    if bool(bad.any()):
+        raise ValueError(f"fp8 layer {name!r}: the checkpoint's scale {s.tolist()} is not finite and positive "
+                         "everywhere (a scale of 0 or inf zeroes or saturates every cast); the checkpoint is damaged")
 
 
 def describe_lines(spec: Any, fp8: "Fp8Training | None") -> list[str]:
@@ -80,6 +115,7 @@ class Fp8Training:
         self.decisions = decisions
         self.backend = backend
         self.layers = fp8_layers(model)
+        self.note: str | None = None  # a loud line for every report that shows this run's verdict
         self._formats = self.layers[0][1].fp8_config.formats if self.layers else ()
 
     @classmethod
@@ -87,11 +123,25 @@ class Fp8Training:
         decisions = swap(model, spec, device)
         state = cls(spec, model, decisions, backend_for(spec, device))
         if not state.layers:
-            why = "; ".join(f"{d.name}: {d.reason}" for d in decisions[:6]) or "it has no nn.Linear at all"
-            warnings.warn(f"recipe {recipe!r}: no layer of this model computes in fp8 ({why}). It trains as "
-                          "bf16-mixed; see mp.describe() for the rules, or pass fp8={'skip_first_last': False, "
-                          "'exclude': ()} to widen them.", Fp8Warning, stacklevel=3)
+            why = "; ".join(f"{d.name}: {d.reason}" for d in decisions[:6]) or "it has no nn.Linear or Conv1D at all"
+            widen = "" if not decisions else (" To widen the rules, pass fp8={'exclude': ()} or fp8={'skip_first_last': "
+                                              "False} (which also puts the first and last layers in fp8).")
+            raise Fp8Error(f"recipe {recipe!r}: no layer of this model would compute in fp8 ({why}), so it would train "
+                           f"as bf16-mixed under the name {recipe!r}. Train it as bf16-mixed, or see mp.describe() for "
+                           f"the rules.{widen}")
+        state.note = state._ill_advised(recipe)
+        if state.note:
+            warnings.warn(state.note, Fp8Warning, stacklevel=3)
         return state
+
+    def _ill_advised(self, recipe: str) -> str | None:
+        """The loud line for a run whose only fp8 layers are what torchao keeps in bf16 (the LM head)."""
+        fp8 = [d for d in self.decisions if d.fp8]
+        if not all(d.lm_head for d in fp8):
+            return None
+        return (f"recipe {recipe!r}: the only layer in fp8 is the LM head {fp8[0].name!r} (torchao keeps it in bf16: "
+                "it is the most sensitive matmul), every other matmul runs bf16-mixed; this is not an fp8 run of "
+                "the model. Keep skip_first_last=True and make the model's other layers eligible (see mp.describe()).")
 
     @property
     def delayed(self) -> bool:
@@ -113,6 +163,7 @@ class Fp8Training:
         return {"scaling": self.spec.scaling, "layers": layers}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load ``state_dict()``'s output; everything is checked before any layer's state changes."""
         if state.get("scaling") != self.spec.scaling:
             raise ValueError(f"the checkpoint's fp8 state is for {state.get('scaling')!r} scaling, this recipe "
                              f"uses {self.spec.scaling!r}")
@@ -122,21 +173,22 @@ class Fp8Training:
             raise ValueError(f"the checkpoint's fp8 layers {sorted(saved)} are not this model's {sorted(ours)}: "
                              "prepare the same model with the same fp8 options before loading")
         for name, entry in saved.items():
-            m = ours[name]
-            if entry["amax_history"].shape != m.fp8_amax_history.shape:
-                raise ValueError(f"fp8 layer {name!r}: the checkpoint's amax history has shape "
-                                 f"{tuple(entry['amax_history'].shape)}, this recipe's {tuple(m.fp8_amax_history.shape)} "
-                                 "(a different amax_history_len)")
-            m.fp8_amax_history.copy_(entry["amax_history"])
-            m.fp8_scale.copy_(entry["scale"])
+            check_layer_state(name, entry, ours[name])
+        for name, entry in saved.items():
+            ours[name].fp8_amax_history.copy_(entry["amax_history"])
+            ours[name].fp8_scale.copy_(entry["scale"])
 
     def describe(self) -> list[str]:
-        """One line for the recipe, then one per ``nn.Linear``: fp8, or why it stays."""
+        """One line for the recipe, then one per ``nn.Linear`` or ``Conv1D``: fp8, or why it stays."""
         n = sum(d.fp8 for d in self.decisions)
-        lines = [f"{describe_spec(self.spec, self.backend)}; {n} of {len(self.decisions)} nn.Linear in fp8"]
+        kinds = " and ".join(k for k, kind in (("nn.Linear", "Linear"), ("Conv1D", "Conv1D"))
+                             if any(d.kind == kind for d in self.decisions))
+        lines = [f"{describe_spec(self.spec, self.backend)}; {n} of {len(self.decisions)} {kinds or 'nn.Linear'} in fp8"]
         width = max((len(d.name) for d in self.decisions), default=0)
         for d in self.decisions:
             shape = f"{d.in_features}->{d.out_features}"
             lines.append(f"  {d.name or '(model)':<{width}}  {shape:>11}  {d.precision}"
-                         + ("" if d.fp8 else f"  ({d.reason})"))
+                         + ("" if d.kind == "Linear" else f"  {d.kind}") + ("" if d.fp8 else f"  ({d.reason})"))
+        if self.note:
+            lines.append(f"  WARNING: {self.note}")
         return lines

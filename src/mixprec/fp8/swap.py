@@ -1,21 +1,23 @@
-"""Which ``nn.Linear`` layers compute in fp8, the swap itself, and its undoing.
+"""Which matmul layers compute in fp8, the swap itself, and its undoing.
 
-The rules, in the order they are applied (the first that matches decides; ``Decision.reason`` says
-which):
+The candidates are every ``nn.Linear`` and every Hugging Face ``Conv1D`` (GPT-2's projections: a
+matmul with a transposed weight, ``mixprec.fp8.conv1d``). The rules, in the order they are applied
+(the first that matches decides; ``Decision.reason`` says which):
 
-1. only ``nn.Linear`` itself: a subclass may not compute ``F.linear`` in its forward
+1. only ``nn.Linear`` or ``Conv1D`` itself: a subclass may not compute ``F.linear`` in its forward
    (``MultiheadAttention``'s ``out_proj`` never calls it), so it stays as it is;
 2. a layer that is an fp32 island stays fp32 (``fp32_modules=``);
-3. a glob of ``Fp8Spec.exclude`` on the qualified name keeps it bf16;
+3. a glob of ``Fp8Spec.exclude`` on the qualified name keeps it bf16 (a glob that matches no
+   candidate is refused: a typo would otherwise pass silently);
 4. ``in_features`` and ``out_features`` must both be multiples of 16 (what fp8 GEMMs need);
-5. with ``Fp8Spec.skip_first_last`` (the default), the model's first and last ``nn.Linear`` (in
-   ``model.named_modules()`` order) and an LM head (a linear named ``lm_head``, or whose weight is
+5. with ``Fp8Spec.skip_first_last`` (the default), the model's first and last candidate (in
+   ``model.named_modules()`` order) and an LM head (a layer named ``lm_head``, or whose weight is
    an embedding's) stay bf16: torchao's advice, as the first and last layers are the most sensitive;
 6. the rest compute in fp8.
 
-The swap is in place: the module's class becomes ``Fp8Linear``; its parameters, hooks and
-state-dict keys stay (delayed scaling's state is in non-persistent buffers). ``remove_fp8`` turns
-every ``Fp8Linear`` back into the class it was.
+The swap is in place: an ``nn.Linear``'s class becomes ``Fp8Linear``, a ``Conv1D``'s an fp8
+subclass of it; the parameters, hooks and state-dict keys stay (delayed scaling's state is in
+non-persistent buffers). ``remove_fp8`` turns every fp8 layer back into the class it was.
 """
 
 from __future__ import annotations
@@ -27,23 +29,28 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.fp8.linear import Fp8Config, Fp8Linear
+from mixprec.fp8 import conv1d
+from mixprec.fp8.linear import Fp8Config, Fp8Linear, Fp8Matmul
 
 MULTIPLE = 16
 ISLAND = "an fp32 island"
+LM_HEAD = "the LM head (torchao keeps it in bf16)"
 _BUFFERS = ("fp8_amax_history", "fp8_scale")
-_ATTRS = ("fp8_config", "fp8_name", "fp8_observer", "fp8_original_class")
+_ATTRS = ("fp8_config", "fp8_name", "fp8_observers", "fp8_original_class")
 
 
 @dataclasses.dataclass(frozen=True)
 class Decision:
-    """One ``nn.Linear`` and what the rules made of it: ``fp8`` True, or the ``reason`` it stays."""
+    """One matmul layer and what the rules made of it: ``fp8`` True, or the ``reason`` it stays.
+    ``kind``: "Linear" or "Conv1D"; ``lm_head``: it is the model's LM head (converted or not)."""
 
     name: str
     in_features: int
     out_features: int
     fp8: bool
     reason: str
+    kind: str = "Linear"
+    lm_head: bool = False
 
     @property
     def precision(self) -> str:
@@ -55,30 +62,54 @@ def _embedding_weights(model: nn.Module) -> set[int]:
     return {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
 
 
+def candidates(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Every ``nn.Linear`` (subclasses included) and Hugging Face ``Conv1D`` of ``model``, in order."""
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) or conv1d.is_conv1d(m)]
+
+
+def _features(m: nn.Module) -> tuple[int, int]:
+    return conv1d.features(m) if conv1d.is_conv1d(m) else (m.in_features, m.out_features)
+
+
+def _plain(m: nn.Module) -> bool:
+    return type(m) in (nn.Linear, Fp8Linear) or conv1d.is_conv1d(m)
+
+
 def decide(model: nn.Module, spec: Any) -> list[Decision]:
-    """Every ``nn.Linear`` of ``model`` (subclasses included) and the rule that decided it."""
-    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
-    plain = [n for n, m in linears if type(m) in (nn.Linear, Fp8Linear)]
-    ends = {plain[0]: "first nn.Linear", plain[-1]: "last nn.Linear"} if plain else {}
+    """Every candidate layer of ``model`` and the rule that decided it. Raises ValueError for an
+    ``exclude`` glob that matches no candidate's name."""
+    layers = candidates(model)
+    unmatched = [p for p in spec.exclude if not any(fnmatch.fnmatchcase(n, p) for n, _ in layers)]
+    if unmatched:
+        names = [n for n, _ in layers]
+        raise ValueError(f"fp8 exclude pattern(s) {unmatched} match no nn.Linear or Conv1D of {type(model).__name__}; "
+                         f"they are globs on the layers' qualified names, which are {names[:8]}"
+                         f"{' ...' if len(names) > 8 else ''} (e.g. 'blocks.0.*' for a whole block)")
+    plain = [n for n, m in layers if _plain(m)]
+    ends = {plain[0]: "first", plain[-1]: "last"} if plain else {}
     tied = _embedding_weights(model)
     out = []
-    for name, m in linears:
+    for name, m in layers:
         fp8, reason = False, ""
-        if type(m) not in (nn.Linear, Fp8Linear):
+        n_in, n_out = _features(m)
+        head = name.rpartition(".")[2] == "lm_head" or id(m.weight) in tied
+        kind = "Conv1D" if conv1d.is_conv1d(m) else "Linear"
+        if not _plain(m):
             reason = f"{type(m).__name__} is a subclass of nn.Linear: its forward may not be F.linear"
         elif getattr(m, "_mixprec_island", None) is not None:
             reason = ISLAND
         elif any(fnmatch.fnmatchcase(name, pat) for pat in spec.exclude):
             reason = f"excluded by {next(p for p in spec.exclude if fnmatch.fnmatchcase(name, p))!r}"
-        elif m.in_features % MULTIPLE or m.out_features % MULTIPLE:
-            reason = f"{m.in_features}x{m.out_features}: fp8 GEMMs need both dims multiples of {MULTIPLE}"
-        elif spec.skip_first_last and (name.rpartition(".")[2] == "lm_head" or id(m.weight) in tied):
-            reason = "the LM head (torchao keeps it in bf16)"
+        elif n_in % MULTIPLE or n_out % MULTIPLE:
+            reason = f"{n_in}x{n_out}: fp8 GEMMs need both dims multiples of {MULTIPLE}"
+        elif spec.skip_first_last and head:
+            reason = LM_HEAD
         elif spec.skip_first_last and name in ends:
-            reason = f"the {ends[name]} (torchao keeps the first and last layers in bf16)"
+            reason = f"the {ends[name]} {'nn.Linear' if kind == 'Linear' else 'matmul (Conv1D)'} " \
+                     "(torchao keeps the first and last layers in bf16)"
         else:
             fp8 = True
-        out.append(Decision(name, m.in_features, m.out_features, fp8, reason))
+        out.append(Decision(name, n_in, n_out, fp8, reason, kind, head))
     return out
 
 
@@ -106,12 +137,14 @@ def swap(model: nn.Module, spec: Any, device: torch.device) -> list[Decision]:
     return decisions
 
 
-def convert_(m: nn.Linear, cfg: Fp8Config, name: str = "", history_len: int = 1024) -> Fp8Linear:
-    """Make one ``nn.Linear`` an ``Fp8Linear`` in place (its parameters untouched)."""
-    if type(m) is not Fp8Linear:
-        m.fp8_original_class = type(m)  # type: ignore[attr-defined]
-        m.__class__ = Fp8Linear
-    m.fp8_config, m.fp8_name, m.fp8_observer = cfg, name, None  # type: ignore[attr-defined]
+def convert_(m: nn.Module, cfg: Fp8Config, name: str = "", history_len: int = 1024) -> Fp8Matmul:
+    """Make one ``nn.Linear`` an ``Fp8Linear`` (a ``Conv1D`` its fp8 subclass) in place, its
+    parameters untouched."""
+    if not isinstance(m, Fp8Matmul):
+        original = type(m)
+        m.__class__ = conv1d.fp8_class_for(original) if conv1d.is_conv1d(m) else Fp8Linear
+        m.fp8_original_class = original  # type: ignore[attr-defined]
+    m.fp8_config, m.fp8_name, m.fp8_observers = cfg, name, ()  # type: ignore[attr-defined]
     for buf in _BUFFERS:
         m._buffers.pop(buf, None)
     if cfg.scaling == "delayed":  # TE starts from scale 1 and an empty history
@@ -121,13 +154,13 @@ def convert_(m: nn.Linear, cfg: Fp8Config, name: str = "", history_len: int = 10
     return m  # type: ignore[return-value]
 
 
-def fp8_layers(model: nn.Module) -> list[tuple[str, Fp8Linear]]:
-    """``(qualified name, layer)`` for every ``Fp8Linear`` in ``model``."""
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, Fp8Linear)]
+def fp8_layers(model: nn.Module) -> list[tuple[str, Any]]:
+    """``(qualified name, layer)`` for every fp8 layer (``Fp8Linear``, fp8 ``Conv1D``) in ``model``."""
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, Fp8Matmul)]
 
 
 def remove_fp8(model: nn.Module) -> nn.Module:
-    """Undo the fp8 swap in place: every ``Fp8Linear`` becomes the class it was, with the same
+    """Undo the fp8 swap in place: every fp8 layer becomes the class it was, with the same
     parameters (never stored in fp8) and without the fp8 buffers. Returns ``model``."""
     for _, m in fp8_layers(model):
         original = m.__dict__.get("fp8_original_class", nn.Linear)
