@@ -71,3 +71,32 @@ def test_mixprec_jax_compare_is_the_function_after_its_module_is_imported():
     import mixprec.jax.comparison  # noqa: F401  (a submodule named compare would have replaced the function)
 
     assert mpj.compare is compare
+
+
+def test_bf16_rounding_near_1000_diverges_with_excess_precision_off():
+    """Targets near 1000, where bf16's spacing is 4: a bf16 prediction is off by up to 2. XLA's CPU default
+    keeps the add in f32 and bf16 would TRACK; compare compiles without excess precision and says so."""
+    result = compare("jax_tasks:make_task", ("bf16-mixed",), steps=40, task_kwargs={"kind": "offset1000"})
+    v = result.verdicts["bf16-mixed"]
+    assert v.status == "DIVERGES", v.message
+    bf16, fp32 = result.run_for("bf16-mixed"), result.reference
+    assert bf16.loss[-10:].mean() > 1.0 > 0.2 > fp32.loss[-10:].mean()  # bf16's rounding error (~4^2/12) vs the noise
+    assert "excess precision off" in result.device
+    assert json.loads(result.to_json())["xla"] == {"xla_allow_excess_precision": False}
+
+
+def test_xla_cpu_keeps_excess_precision_by_default_and_the_option_removes_it():
+    """What docs/jax.md says about a user's own jitted code on CPU: by default a bf16 add near 1000 comes
+    back unrounded; compiled with xla_allow_excess_precision=False it is rounded to bf16's spacing of 4."""
+    import jax
+    import jax.numpy as jnp
+
+    from mixprec.jax.comparison import COMPILER_OPTIONS
+
+    def f(x):
+        return (x.astype(jnp.bfloat16) + jnp.bfloat16(0.25)).astype(jnp.float32)
+
+    x = jnp.full((4,), 1000.0, jnp.float32)
+    assert float(jax.jit(f, compiler_options=COMPILER_OPTIONS)(x)[0]) == 1000.0
+    if jax.default_backend() == "cpu":
+        assert float(jax.jit(f)(x)[0]) == 1000.25  # XLA's CPU default: no bf16 rounding at all

@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
         with progress if progress is not None else contextlib.nullcontext():
             result = compare(
                 args.task, recipes, steps=args.steps, seeds=args.noise_seeds, device=args.device,
-                out=args.out or DEFAULT_OUT, task_kwargs=task_kwargs,
+                out=DEFAULT_OUT if args.out is None else (args.out or None), task_kwargs=task_kwargs,
                 progress=progress.on_step if progress else None, on_run=progress.on_run if progress else None,
             )
     except RunError as e:
@@ -66,7 +66,8 @@ def run(args: argparse.Namespace) -> int:
     elif args.quiet:
         for name, v in result.verdicts.items():
             print(f"{name}: {v.status}: {v.message}")
-        print(f"report: {result.files['html']}")
+        if result.files:
+            print(f"report: {result.files['html']}")
     else:
         print_summary(result, make_console())
     return 0 if result.ok else 1
