@@ -126,7 +126,7 @@ def test_cli_doctor_exits_2_with_one_line_when_the_task_code_raises(tmp_path, mo
     monkeypatch.syspath_prepend(str(tmp_path))
     assert main(["doctor", "--task", "doctor_raising_task:make", "--out", ""]) == 2  # was a traceback, exit 1
     err = " ".join(capsys.readouterr().err.split())
-    assert err.startswith("error: KeyError: 'config missing' (raised at")
+    assert err.startswith("error: task factory doctor_raising_task:make raised KeyError: 'config missing' (raised at")
     assert "doctor_raising_task.py:2inmake)" in "".join(err.split())  # rich may break a long path anywhere
     assert main(["doctor", "--task", "doctor_broken_module:make", "--out", ""]) == 2
     err = capsys.readouterr().err

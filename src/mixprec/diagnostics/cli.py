@@ -57,7 +57,11 @@ def run(args: argparse.Namespace) -> int:
             check_out_dir(args.out)  # before the runs: a bad --out should not cost them
         report = doctor(args.task, args.recipe, args.device, steps=args.steps, seed=args.seed, progress=progress)
     except (TaskError, ValueError, RuntimeError, FileExistsError, PermissionError) as e:
-        err.print(f"[bold red]error:[/] {escape(str(e))}", soft_wrap=True)  # a path or recipe may hold '[...]': not markup
+        message, cause = str(e), e.__cause__
+        if isinstance(e, TaskError) and cause is not None and cause.__traceback__ is not None:  # the factory's own code
+            frame = traceback.extract_tb(cause.__traceback__)[-1]
+            message += f" (raised at {frame.filename}:{frame.lineno} in {frame.name})"
+        err.print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True)  # a path or recipe may hold '[...]': not markup
         return 2
     except Exception as e:  # the task's own code raised (importing its module, its factory): not a finding
         frame = traceback.extract_tb(e.__traceback__)[-1]
