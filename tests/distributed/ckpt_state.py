@@ -1,0 +1,54 @@
+"""What a checkpoint holds, as one digest (for the checkpoint fault tests): the full fp32 parameters
+and optimizer state by parameter name, the loss scaler's state and mixprec's step counter. Computed
+alike on N ranks (FSDP2 shards are gathered: a collective) and on one process after a load."""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from mixprec.tasks import charlm
+
+TASK = charlm.make_task(batch_size=4, seq_len=16, d_model=32, n_layer=2, n_head=4)
+RECIPE = "fp16-mixed"
+SCALER = {"init_scale": 2.0**8, "growth_interval": 1}  # the scale moves at every step
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().float().cpu()
+
+
+def state_digest(mp, model, opt) -> str:
+    names = {id(p): n.removeprefix("module.") for n, p in mp.named_parameters(model)}
+    tensors = {f"param {names[id(p)]}": _full(p) for _, p in mp.named_parameters(model)}
+    for p, state in opt.state.items():
+        for key, value in state.items():
+            if torch.is_tensor(value):
+                tensors[f"opt {names[id(p)]} {key}"] = _full(value)
+    h = hashlib.sha1()
+    for name in sorted(tensors):
+        h.update(name.encode())
+        h.update(tensors[name].reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+    scaler = mp.scaler.state_dict()
+    h.update(repr((scaler["scale"], scaler["_growth_tracker"], mp.state_dict()["steps"])).encode())
+    return h.hexdigest()
+
+
+def build(parallel=None, seed=0):
+    import mixprec
+
+    torch.manual_seed(seed)
+    mp = mixprec.MixedPrecision(RECIPE, "cpu", scaler=dict(SCALER))
+    model = TASK.build_model()
+    model = mp.prepare(model, parallel=parallel) if parallel else mp.prepare(model)
+    return mp, model, torch.optim.AdamW(mp.parameters(model), lr=1e-2)
+
+
+def train(mp, model, opt, steps, start=0, rank=0, world=1):
+    for s in range(start, start + steps):
+        x, y = TASK.get_batch(s)
+        x, y = x.chunk(world)[rank], y.chunk(world)[rank]
+        with mp.autocast():
+            logits = model(x)
+        mp.step(charlm.lm_loss(logits, y), opt)
