@@ -35,12 +35,32 @@ def state_digest(mp, model, opt) -> str:
     return h.hexdigest()
 
 
-def build(parallel=None, seed=0):
+def local_digest(mp, model, opt) -> str:
+    """This rank's own tensors (FSDP2: its shards; no collective), optimizer state, scaler and steps."""
+    def local(t):
+        return (t.to_local() if hasattr(t, "to_local") else t).detach().float().cpu()
+    h = hashlib.sha1()
+    for name, p in model.named_parameters():
+        h.update(name.encode())
+        h.update(local(p).reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+    for i, state in enumerate(opt.state.values()):
+        for key, value in sorted(state.items()):
+            h.update(f"{i} {key}".encode())
+            if torch.is_tensor(value):
+                h.update(local(value).reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+    h.update(repr((mp.scaler.state_dict(), mp.state_dict()["steps"])).encode())
+    return h.hexdigest()
+
+
+def build(parallel=None, seed=0, d_ff=None):
     import mixprec
 
     torch.manual_seed(seed)
     mp = mixprec.MixedPrecision(RECIPE, "cpu", scaler=dict(SCALER))
     model = TASK.build_model()
+    if d_ff is not None:  # another width of every block's MLP
+        for block in model.blocks:
+            block.fc, block.out = torch.nn.Linear(32, d_ff), torch.nn.Linear(d_ff, 32)
     model = mp.prepare(model, parallel=parallel) if parallel else mp.prepare(model)
     return mp, model, torch.optim.AdamW(mp.parameters(model), lr=1e-2)
 

@@ -80,3 +80,41 @@ def test_a_rank_killed_mid_write_leaves_the_previous_checkpoint_loadable(tmp_pat
 @pytest.mark.parametrize("mode, case, kill, want", MATRIX, ids=[f"{m}-{c}-{k}" for m, c, k, _ in MATRIX])
 def test_a_rank_killed_at_any_point_of_a_save_leaves_one_whole_checkpoint(tmp_path, mode, case, kill, want):
     _run(tmp_path, mode, case, kill, want)
+
+
+# ---------------------------------------------------------------------------- damaged, on 2 ranks
+
+DAMAGED = [  # (case, what every rank's message says)
+    ("truncated", ["step-000003 is damaged: shard __1_0.distcp is truncated (100 of", "step-000002"]),
+    ("deleted", ["shard __1_0.distcp is missing"]),
+    ("flipped", ["shard __1_0.distcp has changed since it was saved: its CRC-32"]),
+    ("no-marker", ["latest names 'step-000003', which is not a complete checkpoint", "step-000002"]),
+    ("foreign", ["is not a mixprec checkpoint"]),
+    ("shape", ["does not fit this model: parameter blocks.0.fc.weight: checkpoint 128x32, model 64x32"]),
+    ("save-onto-file", ["is a file: save_checkpoint(path) writes a directory of checkpoints"]),
+]
+
+
+@pytest.fixture(scope="module", params=["fsdp", pytest.param("ddp", marks=pytest.mark.slow)])
+def damage_run(request, tmp_path_factory):
+    out = tmp_path_factory.mktemp(f"damage-{request.param}")
+    ranks = run_ranks(["ckpt_worker.py", request.param, "damage", str(out / "ckpt"), "none"], out / "run")
+    assert all(code == 0 for code, _ in ranks), "\n".join(f"--- rank {r}:\n{t[-3000:]}" for r, (_, t) in enumerate(ranks))
+    return [json.loads((out / f"ckpt.rank{r}.json").read_text()) for r in range(len(ranks))]
+
+
+@pytest.mark.parametrize("case, words", DAMAGED, ids=[d[0] for d in DAMAGED])
+def test_a_damaged_checkpoint_is_the_same_checkpoint_error_on_every_rank_and_changes_nothing(damage_run, case,
+                                                                                           words):
+    messages = {rank[case]["error"] for rank in damage_run}
+    assert len(messages) == 1, messages
+    (message,) = messages
+    assert message is not None and message.startswith("CheckpointError: "), message
+    for w in words:
+        assert w in message, (w, message)
+    assert all(rank[case].get("unchanged", True) for rank in damage_run)
+
+
+def test_after_the_refusals_the_ranks_load_the_good_checkpoint(damage_run):
+    for rank in damage_run:
+        assert rank["then"].endswith("step-000003") and rank["then_digest"]

@@ -305,3 +305,30 @@ def test_saving_onto_what_is_not_a_checkpoint_directory_is_refused_and_leaves_it
     with pytest.raises(CheckpointError, match=message):
         save_checkpoint(p, model=model, optimizer=opt, mp=mp)
     assert (sorted(Path(p).rglob("*")) if p.is_dir() else p.read_bytes()) == listing
+
+
+def test_a_hugging_face_gpt2_of_another_width_is_refused_naming_its_parameter(tmp_path):
+    transformers = pytest.importorskip("transformers")
+
+    def gpt2(n_inner, seed):
+        torch.manual_seed(seed)
+        config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=2, n_inner=n_inner)
+        mp = mixprec.MixedPrecision("bf16-mixed", "cpu")
+        model = mp.prepare(transformers.GPT2LMHeadModel(config))
+        return mp, model, torch.optim.AdamW(mp.parameters(model), lr=1e-3)
+
+    mp, model, opt = gpt2(128, 0)
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    with mp.autocast():
+        loss = model(ids, labels=ids).loss
+    mp.step(loss, opt)
+    save_checkpoint(tmp_path / "ck", model=model, optimizer=opt, mp=mp)
+    mp2, model2, opt2 = gpt2(64, 1)
+    before = snapshot(mp2, model2, opt2)
+    with pytest.raises(CheckpointError, match=r"parameter transformer.h.0.mlp.c_fc.weight: checkpoint 32x128, "
+                                              r"model 32x64"):
+        load_checkpoint(tmp_path / "ck", model=model2, optimizer=opt2, mp=mp2)
+    assert same(snapshot(mp2, model2, opt2), before)
+    mp3, model3, opt3 = gpt2(128, 1)  # the same architecture loads, tied embeddings and all
+    load_checkpoint(tmp_path / "ck", model=model3, optimizer=opt3, mp=mp3)
+    assert all(torch.equal(a, b) for a, b in zip(model3.parameters(), model.parameters()))
