@@ -2,8 +2,8 @@
 
     torchrun --nproc_per_node 2 examples/train_distributed.py                       # CPU: gloo
     torchrun --nproc_per_node 8 examples/train_distributed.py --device cuda --parallel fsdp --recipe bf16-mixed
-    torchrun --nproc_per_node 2 examples/train_distributed.py --steps 40 --checkpoint ckpt   # save at the end
-    torchrun --nproc_per_node 2 examples/train_distributed.py --steps 40 --resume ckpt       # go on from it
+    torchrun --nproc_per_node 2 examples/train_distributed.py --steps 40 --checkpoint ckpt   # save ckpt/step-000040
+    torchrun --nproc_per_node 2 examples/train_distributed.py --steps 40 --resume ckpt --checkpoint ckpt  # go on
 
 Each step's global batch is split over the ranks; the loss printed is the mean over them. The
 built-in character model trains on the corpus mixprec ships; swap in your own model and data.
@@ -29,8 +29,11 @@ def main(argv: list[str] | None = None) -> float:
     parser.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (nccl, one GPU per rank)")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--batch", type=int, default=8, help="global batch: split over the ranks")
-    parser.add_argument("--checkpoint", default=None, help="save model, optimizer and mixprec state here at the end")
-    parser.add_argument("--resume", default=None, help="load a checkpoint first (saved with --checkpoint)")
+    parser.add_argument("--checkpoint", default=None, help="save model, optimizer and mixprec state at the end, as "
+                        "CHECKPOINT/step-N (published atomically; CHECKPOINT/latest names the newest)")
+    parser.add_argument("--keep", type=int, default=None, help="keep only the last KEEP checkpoints in --checkpoint")
+    parser.add_argument("--resume", default=None, help="load a checkpoint first: a --checkpoint directory (its "
+                        "latest) or one step-N directory in it")
     args = parser.parse_args(argv)
 
     cuda = args.device.startswith("cuda")
@@ -50,8 +53,10 @@ def main(argv: list[str] | None = None) -> float:
     opt = torch.optim.AdamW(mp.parameters(model), lr=3e-3)
     start = 0
     if args.resume:
-        load_checkpoint(args.resume, model=model, optimizer=opt, mp=mp)
+        loaded = load_checkpoint(args.resume, model=model, optimizer=opt, mp=mp)
         start = mp.state_dict()["steps"]
+        if rank == 0:
+            print(f"resumed from {loaded} (step {start})")
     if rank == 0:
         print(mp.describe())
 
@@ -69,9 +74,9 @@ def main(argv: list[str] | None = None) -> float:
             print(f"step {step:4d}  loss {float(loss):.4f}  scale {float(stats.scale):g}"
                   + ("  (skipped)" if bool(stats.skipped) else ""), flush=True)
     if args.checkpoint:
-        save_checkpoint(args.checkpoint, model=model, optimizer=opt, mp=mp)
+        saved = save_checkpoint(args.checkpoint, model=model, optimizer=opt, mp=mp, keep=args.keep)
         if rank == 0:
-            print(f"checkpoint: {args.checkpoint}")
+            print(f"checkpoint: {saved}")
     dist.barrier()  # every rank done with its collectives before the group is torn down
     dist.destroy_process_group()
     return float(loss)

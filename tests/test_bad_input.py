@@ -30,6 +30,18 @@ CLI_CASES = [
     (["memory", "--params", "1e400"], 2, "no model is that large"),
     # lint: a path with no Python file checked nothing, and says so
     (["lint", "/dev/null"], 2, "no Python file to check there"),
+    # compare on several processes: options that cannot apply, more ranks than the machine has, a recipe FSDP2
+    # refuses (said before any rank starts)
+    (["compare", "--nproc", "100000", "--out", ""], 2, "or pass --force-nproc to start them anyway"),
+    (["compare", "--parallel", "fsdp", "--out", ""], 2, "without --nproc every run trains on one process"),
+    (["compare", "--nproc", "1", "--parallel", "ddp", "--out", ""], 2, "Add --nproc 2 (or more), or drop --parallel"),
+    (["compare", "--backend", "jax", "--nproc", "2", "--out", ""], 2, "--backend jax has no data-parallel runs"),
+    (["compare", "--backend", "jax", "--parallel", "fsdp", "--out", ""], 2, "--backend jax has no data-parallel runs"),
+    (["compare", "--nproc", "2", "--force-nproc", "--parallel", "fsdp", "--recipes", "bf16-true-kahan", "--out", ""],
+     2, "--parallel fsdp: recipe 'bf16-true-kahan' keeps no fp32 master"),
+    # memory: no per-rank plan for a set-up prepare() refuses
+    (["memory", "--params", "7B", "--world-size", "8", "--parallel", "fsdp", "--recipe", "bf16-true-kahan"], 2,
+     "prepare(parallel='fsdp') refuses it, so there is no per-rank plan"),
     # bench: a recipe with no hand-written torch.amp twin
     (["bench", "--overhead", "--recipes", "bf16-true", "--shape", "tiny"], 2, "has no hand-written twin"),
 ]

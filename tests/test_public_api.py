@@ -19,7 +19,7 @@ CORE = {
     "MixedPrecision", "StepStats", "Task", "load_task", "__version__",
     "remove_fp8",  # undoes the fp8 recipes' module swap
 }
-CAPABILITIES = {"save_checkpoint", "load_checkpoint"}  # mixprec.distributed
+CAPABILITIES = {"save_checkpoint", "load_checkpoint", "CheckpointError"}  # mixprec.distributed
 TOOLS = {
     "compare", "ComparisonResult", "Verdict", "VerdictRule",
     "nan_guard", "NanGuard", "NonFiniteError", "NonFiniteWarning", "NonFiniteEvent",

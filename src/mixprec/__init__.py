@@ -49,6 +49,7 @@ _EXPORTS: dict[str, str] = {
     # checkpoints of model, optimizer and mixprec's state through torch.distributed.checkpoint
     "save_checkpoint": "mixprec.distributed.checkpoint",
     "load_checkpoint": "mixprec.distributed.checkpoint",
+    "CheckpointError": "mixprec.distributed.checkpoint",  # what both raise (an Exception, unlike DCP's)
     # tasks (the protocol compare and doctor train)
     "Task": "mixprec.tasks",
     "load_task": "mixprec.tasks",

@@ -59,3 +59,30 @@ def spawn(scenarios: str, out: Path, world: int = 2, timeout: float = 120.0, scr
     if any(p.returncode != 0 for p in procs):
         pytest.fail(f"a rank failed:\n{tails}")
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def run_ranks(args: list[str], out: Path, world: int = 2, timeout: float = 90.0) -> list[tuple[int, str]]:
+    """Run ``python *args`` as ranks 0..world-1 (as ``spawn`` does) and return each rank's (exit code,
+    output), whatever they are: for the tests in which a rank is meant to die. Ranks still running
+    after ``timeout`` seconds are killed and reported with exit code None."""
+    out.mkdir(parents=True, exist_ok=True)
+    store = out / "store"
+    if store.exists():
+        store.unlink()
+    procs = []
+    for rank in range(world):
+        env = src_env()
+        env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MIXPREC_DIST_INIT=f"file://{store}",
+                   OMP_NUM_THREADS="1", PYTHONPATH=env["PYTHONPATH"] + os.pathsep + str(HERE))
+        procs.append(subprocess.Popen([sys.executable, *args], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True, cwd=str(HERE)))
+    deadline, results = time.monotonic() + timeout, []
+    for p in procs:
+        try:
+            text, _ = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
+            results.append((p.returncode, text))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            text, _ = p.communicate()
+            results.append((None, text))
+    return results

@@ -27,5 +27,7 @@ def test_the_torchrun_example_trains_saves_and_resumes(tmp_path):
     assert "parallel fsdp, gradients reduce-scattered in f32, 2 ranks" in first
     losses = _losses(first)
     assert losses[20] < losses[0] - 0.3  # it learned (ln 96 = 4.56 at the start)
-    second = _torchrun("--steps", "1", "--resume", str(tmp_path / "ck"), "--parallel", "fsdp")
-    assert list(_losses(second)) == [21]
+    second = _torchrun("--steps", "1", "--resume", str(tmp_path / "ck"), "--parallel", "fsdp",
+                       "--checkpoint", str(tmp_path / "ck"), "--keep", "1")
+    assert list(_losses(second)) == [21] and f"resumed from {tmp_path / 'ck' / 'step-000021'}" in second
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["latest", "step-000022"]  # keep 1

@@ -61,3 +61,24 @@ def test_the_memory_command_plans_per_rank():
     bad = subprocess.run([sys.executable, "-m", "mixprec", "memory", "--params", "7B", "--parallel", "fsdp"],
                          capture_output=True, text=True, env=src_env(), timeout=120)
     assert bad.returncode == 2 and "--world-size" in bad.stderr
+
+
+def test_no_fsdp_plan_is_made_for_a_recipe_prepare_refuses_under_fsdp(capsys):
+    from mixprec.cli import main
+    from mixprec.distributed.fsdp import unsupported
+    from mixprec.recipes import list_recipes
+
+    refused = [r.name for r in list_recipes() if unsupported(r)]
+    assert "bf16-true-kahan" in refused and "fp16-pure" in refused
+    with pytest.raises(ValueError, match="no FSDP2 plan for recipe 'bf16-true-kahan'"):
+        plan(ParamCounts(10**9), facts_from_recipe(get_recipe("bf16-true-kahan")), "adamw", world_size=8,
+             parallel="fsdp")
+    assert plan(ParamCounts(10**9), facts_from_recipe(get_recipe("bf16-true-kahan")), "adamw", world_size=8,
+                parallel="ddp").recipe == "bf16-true-kahan"  # DDP runs it
+    assert main(["memory", "--params", "7B", "--recipe", "all", "--world-size", "8", "--parallel", "fsdp",
+                 "--json"]) == 0
+    captured = capsys.readouterr()
+    planned = [p["recipe"] for p in json.loads(captured.out)["plans"]]
+    assert planned and not set(planned) & set(refused) and "bf16-true" in planned
+    assert f"not planned under --parallel fsdp (prepare(parallel='fsdp') refuses them): {', '.join(refused)}" \
+        in captured.err

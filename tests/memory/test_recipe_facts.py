@@ -35,7 +35,8 @@ def _json(argv: list[str]) -> dict:
 ARGS = [
     ["--params", "7B", "--recipe", "all"],
     ["--params", "1.3B", "--trainable", "1B", "--recipe", "bf16-true,O2,16-mixed", "--optimizer", "sgd-momentum"],
-    ["--params", "7B", "--recipe", "bf16-true-kahan,fp8", "--world-size", "8", "--parallel", "fsdp"],
+    ["--params", "7B", "--recipe", "bf16-true,fp8", "--world-size", "8", "--parallel", "fsdp"],
+    ["--params", "7B", "--recipe", "all", "--world-size", "8", "--parallel", "fsdp"],  # (FSDP2's refusals left out)
     ["--params", "125M", "--recipe", "fp16-true", "--accumulate", "4", "--batch", "8", "--seq", "512",
      "--d-model", "768", "--layers", "12", "--heads", "12", "--device", "cuda"],
 ]

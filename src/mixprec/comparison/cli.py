@@ -58,8 +58,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nproc", type=positive_int, default=1, metavar="N",
                         help="train every run data-parallel on N local processes through torchrun (each step's batch "
                              "split over them; gradients reduced in fp32); the verdict is judged the same way")
-    parser.add_argument("--parallel", choices=("ddp", "fsdp"), default="ddp",
+    parser.add_argument("--parallel", choices=("ddp", "fsdp"), default=None,
                         help="with --nproc: DistributedDataParallel (default) or FSDP2")
+    parser.add_argument("--force-nproc", action="store_true",
+                        help="start --nproc N CPU processes even where N is more than this machine's CPUs (they then "
+                             "share them); without it, N is bounded by the CPU count (gloo) or the GPU count (CUDA)")
     parser.add_argument("--backend", choices=("torch", "jax"), default="torch",
                         help="train with torch (default) or JAX (needs the jax extra; --task then names a JaxTask factory)")
     parser.add_argument("--quiet", action="store_true", help="no progress and no table: one line per recipe")
@@ -93,6 +96,15 @@ def run(args: argparse.Namespace) -> int:
         err.print(f"error: {message}", markup=False, highlight=False, soft_wrap=True)  # one line: greppable
         return 2
 
+    try:  # options that cannot apply, and --nproc beyond this machine: refused before anything runs
+        from mixprec.comparison.parallel import check_options
+        from mixprec.recipes import as_device
+
+        backend = getattr(args, "backend", "torch")
+        check_options(args.nproc, args.parallel, backend=backend, force=args.force_nproc,
+                      device=as_device(args.device) if args.nproc > 1 and backend == "torch" else None)
+    except (ValueError, RuntimeError) as e:
+        return error(str(e))
     if getattr(args, "backend", "torch") == "jax":  # the torch side's only import of mixprec.jax, lazy
         try:
             from mixprec.jax.comparison_cli import run as run_jax
@@ -115,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
                 args.task, recipes, steps=args.steps, seeds=args.noise_seeds, device=args.device,
                 out=DEFAULT_OUT if args.out is None else (args.out or None), task_kwargs=task_kwargs, threads=threads,
                 progress=progress.on_step if progress else None, on_run=progress.on_run if progress else None,
-                nproc=args.nproc, parallel=args.parallel,
+                nproc=args.nproc, parallel=args.parallel or "ddp",
             )
     except RunError as e:
         return error(f"{e}\n(an fp32 run failed, so nothing can be judged: debug the task in plain fp32 first)")

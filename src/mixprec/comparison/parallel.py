@@ -13,6 +13,7 @@ exactly as a one-process comparison does.
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import sys
 import tempfile
@@ -42,6 +43,57 @@ def _names(plan: list[tuple[Recipe, int, str]], device: torch.device) -> list[tu
     return out
 
 
+def machine_ranks(device: torch.device) -> tuple[int, str]:
+    """How many local ranks this machine runs at once on ``device``'s backend, and of what."""
+    if device.type == "cuda":
+        return torch.cuda.device_count(), "CUDA devices (nccl: one per rank)"
+    try:
+        return len(os.sched_getaffinity(0)), "CPUs (gloo)"
+    except AttributeError:  # (not on every platform)
+        return os.cpu_count() or 1, "CPUs (gloo)"
+
+
+def check_options(nproc: int, parallel: str | None, *, backend: str = "torch", device: torch.device | None = None,
+                  force: bool = False) -> None:
+    """``compare``'s --nproc/--parallel/--backend before anything runs; raises ValueError saying
+    what to change. ``parallel`` None: not given. ``force``: more CPU ranks than CPUs."""
+    if backend == "jax":
+        if nproc != 1 or parallel is not None:
+            given = " ".join(x for x in (f"--nproc {nproc}" if nproc != 1 else "",
+                                         f"--parallel {parallel}" if parallel else "") if x)
+            raise ValueError(f"{given} trains torch runs on several processes; --backend jax has no data-parallel "
+                             "runs (mixprec.jax trains on one process). Drop it, or use --backend torch")
+        return
+    if parallel is not None and nproc == 1:
+        raise ValueError(f"--parallel {parallel} applies to data-parallel runs on several processes (--nproc N, N > 1); "
+                         f"without --nproc every run trains on one process. Add --nproc 2 (or more), or drop --parallel")
+    if nproc == 1:
+        return
+    dev = device if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    have, what = machine_ranks(dev)
+    if dev.type == "cuda" and have == 0:
+        return  # (the device check says that CUDA is not available, in the words it uses everywhere)
+    if dev.type == "cuda" and nproc > have:
+        raise ValueError(f"--nproc {nproc}: this machine has {have} {what}; use --nproc {max(have, 1)} or fewer, or "
+                         "--device cpu")
+    if nproc > have and not force:
+        raise ValueError(f"--nproc {nproc}: this machine has {have} {what}, so {nproc} ranks would only share them "
+                         f"(and start {nproc} processes). Use --nproc {have} or fewer, or pass --force-nproc to start "
+                         "them anyway")
+
+
+def check_recipes(plan: list[tuple[Recipe, int, str]], parallel: str) -> None:
+    """Every recipe of the plan can run under ``parallel``: said before any rank starts."""
+    if parallel != "fsdp":
+        return
+    from mixprec.distributed.fsdp import unsupported
+
+    for recipe, _, _ in plan:
+        why = unsupported(recipe)
+        if why:
+            raise ValueError(f"--parallel fsdp: {why}")
+
+
 def run_plan_on_ranks(task: Any, task_kwargs: dict[str, Any], plan: list[tuple[Recipe, int, str]], steps: int,
                       device: torch.device, nproc: int, parallel: str, threads: int | None, *,
                       progress: Callable[..., None] | None = None, on_run: Callable[[str, int, int], None] | None = None,
@@ -54,15 +106,27 @@ def run_plan_on_ranks(task: Any, task_kwargs: dict[str, Any], plan: list[tuple[R
                         f"built-in name), not a {type(task).__name__}")
     if parallel not in ("ddp", "fsdp"):
         raise ValueError(f"parallel must be 'ddp' or 'fsdp', got {parallel!r}")
+    check_recipes(plan, parallel)
+    failures: list[str] = []
     spec = {"task": task, "task_kwargs": task_kwargs, "plan": _names(plan, device), "steps": steps,
             "device": str(device), "parallel": parallel, "threads": threads}
 
     def on_line(text: str) -> None:
-        msg = json.loads(text)
+        for piece in text.split(TAG):  # (two ranks' lines may share one line of the launcher's output)
+            try:
+                msg = json.JSONDecoder().raw_decode(piece.strip())[0]
+            except ValueError:
+                continue
+            if isinstance(msg, dict) and "kind" in msg:
+                handle(msg)
+
+    def handle(msg: dict[str, Any]) -> None:
         if msg["kind"] == "run" and on_run is not None:
             on_run(msg["label"], msg["index"], msg["total"])
         elif msg["kind"] == "step" and progress is not None:
             progress(msg["label"], msg["done"], msg["total"], torch.tensor(msg["loss"]))
+        elif msg["kind"] == "error":
+            failures.append(f"rank {msg['rank']} failed: {msg['error']}")
 
     with tempfile.TemporaryDirectory(prefix="mixprec-compare-") as tmp:
         spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "runs.pkl"
@@ -73,14 +137,24 @@ def run_plan_on_ranks(task: Any, task_kwargs: dict[str, Any], plan: list[tuple[R
         try:
             launch("mixprec.comparison.parallel", [str(spec_path), str(out_path)], nproc, tag=TAG, on_line=on_line,
                    timeout=timeout)
-        except LaunchError as e:
-            raise RuntimeError(f"compare --nproc {nproc}: {e}") from None
+        except LaunchError as e:  # a rank's own error first; the launcher's output after it
+            first = "; ".join(failures) + "\n(the launcher's output follows)\n" if failures else ""
+            raise RuntimeError(f"compare --nproc {nproc}: {first}{e}") from None
         with open(out_path, "rb") as f:
             return pickle.load(f)  # written by rank 0 of this launch, a moment ago
 
 
 def main(argv: list[str] | None = None) -> int:
     """One rank (under torchrun)."""
+    try:
+        return _main(argv)
+    except Exception as e:  # said in one tagged line the parent prints before the launcher's output
+        print(f"{TAG} " + json.dumps({"kind": "error", "rank": int(os.environ.get("RANK", "0")),
+                                      "error": f"{type(e).__name__}: {e}"}), flush=True)
+        raise
+
+
+def _main(argv: list[str] | None) -> int:
     from mixprec.comparison.runner import run_plan
     from mixprec.distributed.launch import emit, init_from_env
     from mixprec.tasks import load_task

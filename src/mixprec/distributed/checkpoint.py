@@ -2,7 +2,8 @@
 (the loss scaler, master weights, step counters), through ``torch.distributed.checkpoint`` (DCP).
 
 Every rank calls them, at the same point (they are collectives); on one process they work alike
-(DCP without a process group). What is written, one DCP checkpoint directory:
+(DCP without a process group). ``path`` is a directory of checkpoints (``checkpoint_layout`` says
+how it is laid out and how a save is published atomically). One checkpoint is one DCP directory:
 
 - ``model``: ``get_model_state_dict`` (FSDP2: each rank writes its shards; DDP: rank 0 writes the
   replicated tensors once);
@@ -13,6 +14,17 @@ Every rank calls them, at the same point (they are collectives); on one process 
 - ``mixprec``: ``mp.state_dict()`` (recipe, scaler, steps, masters, layout) and what this
   checkpoint is (``meta``); ``scheduler``: an lr scheduler's state, if given.
 
+A save: rank 0 checks the path and creates a fresh temporary directory; every rank writes its
+part (DCP); every rank records the size and CRC-32 of the files it wrote; rank 0 writes the
+completion marker with that manifest, renames the directory into place and moves ``latest``.
+Every rank returns when the checkpoint is published, or raises the same ``CheckpointError``.
+
+A load validates before it touches anything: the marker, every file against the manifest (the
+checksums split over the ranks), the recipe and layout, every tensor's name, shape and dtype
+against this model and optimizer; then DCP reads into copies; then the copies are assigned. A
+checkpoint that fails any check raises ``CheckpointError`` on every rank and leaves the model,
+the optimizer, the scaler and the scheduler exactly as they were.
+
 Loading onto the same world size resumes bit for bit. Onto another world size: FSDP2 shards are
 resharded by DCP and replicated state is replicated, so it works; a checkpoint whose optimizer
 state cannot be mapped onto this layout (blob <-> names: a 16-bit storage recipe saved under DDP
@@ -21,20 +33,25 @@ and loaded under FSDP2, or back) is refused before anything is loaded, saying so
 
 from __future__ import annotations
 
+import datetime
 import io
+import sys
+import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from mixprec.distributed import checkpoint_checks as checks
+from mixprec.distributed import checkpoint_layout as layout
+from mixprec.distributed.checkpoint_layout import CheckpointError
+
 VERSION = 1
 
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded into this model/optimizer/MixedPrecision; the message says why."""
+__all__ = ["CheckpointError", "load_checkpoint", "save_checkpoint"]
 
 
 def _no_dist() -> bool:
@@ -43,14 +60,96 @@ def _no_dist() -> bool:
     return not (dist.is_available() and dist.is_initialized())
 
 
-def _dcp(fn: Any, state: dict[str, Any], path: str) -> Any:
-    """``dcp.save`` / ``dcp.load``; on one process without a process group, and without DCP's warning
-    that it assumes one process (it is what was meant)."""
+def _rank_world() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    return (0, 1) if _no_dist() else (dist.get_rank(), dist.get_world_size())
+
+
+def _all_gather(obj: Any) -> list[Any]:
+    import torch.distributed as dist
+
+    if _no_dist():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _agreed(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` on every rank; if it raised on any rank, every rank raises the same
+    ``CheckpointError`` (a collective: no rank goes on while another stopped)."""
+    value, problem, cause = None, None, None
+    try:
+        value = fn(*args)
+    except CheckpointError as e:
+        problem, cause = str(e), e
+    except Exception as e:  # an OSError reading the files, or worse: said on every rank
+        problem, cause = f"{type(e).__name__}: {e}", e
+    found = [(r, p) for r, p in enumerate(_all_gather(problem)) if p]
+    if len({p for _, p in found}) == 1:
+        raise CheckpointError(found[0][1]) from cause
+    if found:
+        raise CheckpointError("; ".join(f"rank {r}: {p}" for r, p in found)) from cause
+    return value
+
+
+def _on_rank0(fn: Callable[[], Any], doing: str) -> Any:
+    """``fn()`` on rank 0; every rank gets its value, or raises the same ``CheckpointError`` (a collective)."""
+    import torch.distributed as dist
+
+    rank, _ = _rank_world()
+    result: list[Any] = [None]
+    error: BaseException | None = None
+    if rank == 0:
+        try:
+            result = [("ok", fn())]
+        except CheckpointError as e:
+            result, error = [("error", str(e))], e
+        except Exception as e:  # an OSError (disk full, permissions), or worse: said on every rank
+            result, error = [("error", f"{doing} failed on rank 0: {type(e).__name__}: {e}")], e
+    if not _no_dist():
+        try:
+            dist.broadcast_object_list(result, src=0)
+        except RuntimeError as e:  # rank 0 stopped (killed?) while it was at it
+            raise CheckpointError(f"{doing}: rank 0 stopped before saying it was done ({_first_line(e)}). What "
+                                  "is on disk is either the previous checkpoint or this one, whole: load_checkpoint "
+                                  "loads the complete one that 'latest' names") from None
+    kind, value = result[0]
+    if kind == "error":
+        if error is not None and not isinstance(error, (CheckpointError, OSError)):
+            raise error
+        raise CheckpointError(value) from error
+    return value
+
+
+def _dcp(fn: Any, state: dict[str, Any], path: Path) -> Any:
+    """``dcp.save`` / ``dcp.load``; on one process without a process group (and without DCP's
+    warnings that it assumes one process, which is what was meant, or that it overwrites: it never
+    does here, every save gets a fresh directory)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
     no_dist = _no_dist()
     with warnings.catch_warnings():
         if no_dist:
             warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-        return fn(state, checkpoint_id=str(path), no_dist=no_dist)
+        try:
+            return fn(state, checkpoint_id=str(path), no_dist=no_dist)
+        except CheckpointException as e:  # a BaseException: turned into an Exception saying what went wrong
+            raise CheckpointError(_failures(e)) from None
+
+
+def _failures(e: Any) -> str:
+    parts = []
+    for rank, (exc, _trace) in sorted(getattr(e, "failures", {}).items()):
+        text = str(exc).strip().splitlines()
+        parts.append(f"rank {rank}: {type(exc).__name__}: {text[0][:300] if text else ''}")
+    return "; ".join(parts) or str(e).splitlines()[0]
+
+
+def _first_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[0][:400] if lines else ""
 
 
 def _opts(optimizer: Any) -> list[torch.optim.Optimizer]:
@@ -87,8 +186,8 @@ def _state(model: nn.Module, opts: Sequence[torch.optim.Optimizer], mp: Any, sch
     """The state dict DCP writes (and, built on the loading side, the one it reads into)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-    layout = _layout(mp)
-    if layout["optimizer"] == "blob":
+    meta = _layout(mp)
+    if meta["optimizer"] == "blob":
         optim: Any = {"blob": _blob([o.state_dict() for o in opts])}
     else:
         optim = get_optimizer_state_dict(model, list(opts)) if opts else {}
@@ -96,84 +195,159 @@ def _state(model: nn.Module, opts: Sequence[torch.optim.Optimizer], mp: Any, sch
         "model": get_model_state_dict(model),
         "optimizer": optim,
         # (the layout is in meta: "parallel" may differ between the saving and the loading run)
-        "mixprec": {"meta": layout, "state": {k: v for k, v in mp.state_dict().items() if k != "parallel"}},
+        "mixprec": {"meta": meta, "state": {k: v for k, v in mp.state_dict().items() if k != "parallel"}},
     }
     if scheduler is not None:
         state["scheduler"] = _blob(scheduler.state_dict())
     return state
 
 
-def save_checkpoint(path: str, *, model: nn.Module, optimizer: Any, mp: Any, scheduler: Any = None) -> None:
+# ---------------------------------------------------------------------------- save
+
+
+def save_checkpoint(path: str | Path, *, model: nn.Module, optimizer: Any, mp: Any, scheduler: Any = None,
+                    keep: int | None = None) -> str:
     """Write a checkpoint of ``model`` (as ``mp.prepare`` returned it), ``optimizer`` (one or a list),
-    ``mp`` and, optionally, an lr ``scheduler`` into the directory ``path`` (on a file system every
-    rank sees). Call on every rank, between steps (not inside an accumulation window)."""
+    ``mp`` and, optionally, an lr ``scheduler`` as ``path/step-N`` (N: ``mp``'s optimizer steps), and
+    point ``path/latest`` at it once it is complete on every rank. ``path`` is a directory every
+    rank sees. ``keep``: keep only the ``keep`` most recently saved checkpoints there (default:
+    all). Call on every rank, between steps (not inside an accumulation window). Returns the
+    checkpoint's directory. Raises ``CheckpointError`` (on every rank) when ``path`` cannot hold
+    checkpoints or the save fails; the previous checkpoint stays what ``latest`` names."""
     import torch.distributed.checkpoint as dcp
 
-    _dcp(dcp.save, _state(model, _opts(optimizer), mp, scheduler), path)
-
-
-def _read_meta(path: str) -> dict[str, Any]:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    if not Path(path).is_dir():
-        raise CheckpointError(f"no checkpoint at {path}: save_checkpoint writes a directory (on a file system "
-                              "every rank sees)")
-    meta = {"version": 0, "recipe": "", "mode": "", "world_size": 0, "optimizer": ""}
-    try:
-        _dcp(dcp.load, {"mixprec": {"meta": meta}}, path)
-    except (Exception, CheckpointException) as e:  # not a directory DCP wrote, or not one of ours
-        raise CheckpointError(f"{path}: not a mixprec checkpoint (written by mixprec.save_checkpoint): "
-                              f"{type(e).__name__}: {str(e)[:300]}") from e
-    return meta
-
-
-def load_checkpoint(path: str, *, model: nn.Module, optimizer: Any, mp: Any, scheduler: Any = None) -> None:
-    """Load what ``save_checkpoint`` wrote into ``model``, ``optimizer``, ``mp`` (and ``scheduler``),
-    prepared as for training (``mp.prepare(model, parallel=...)``, the optimizer over
-    ``mp.parameters(model)``). Call on every rank. Raises ``CheckpointError`` (on every rank alike:
-    they read the same files) when the checkpoint cannot go into this layout."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
-
+    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+        raise ValueError(f"keep must be a positive integer (how many checkpoints to keep) or None (all), got {keep!r}")
     opts = _opts(optimizer)
-    meta = _read_meta(path)
-    here = _layout(mp)
-    if meta["version"] != VERSION:
-        raise CheckpointError(f"{path}: written by another version of mixprec's checkpoint format "
-                              f"({meta['version']}, this one reads {VERSION})")
-    if meta["recipe"] != here["recipe"]:
-        raise CheckpointError(f"{path} was saved with recipe {meta['recipe']!r}; this MixedPrecision uses "
-                              f"{here['recipe']!r}. Resume with the recipe it was saved with")
-    if meta["optimizer"] != here["optimizer"]:
-        raise CheckpointError(
-            f"{path} was saved under parallel={meta['mode']!r} with recipe {meta['recipe']!r}, whose optimizer state "
-            f"is {'one replicated blob over fp32 masters' if meta['optimizer'] == 'blob' else 'keyed by parameter'}; "
-            f"under parallel={here['mode']!r} it is "
-            f"{'one replicated blob' if here['optimizer'] == 'blob' else 'keyed by parameter (the sharded masters)'}. "
-            f"Resume with parallel={meta['mode'] if meta['mode'] != 'none' else None!r}"
-        )
-    state = _state(model, opts, mp, scheduler)
-    if scheduler is not None and "scheduler" not in _keys(path):
-        raise CheckpointError(f"{path} holds no lr scheduler state; load without scheduler=")
-    _dcp(dcp.load, state, path)
-    set_model_state_dict(model, state["model"])
-    if here["optimizer"] == "blob":
-        saved = _unblob(state["optimizer"]["blob"])
-        if len(saved) != len(opts):
-            raise CheckpointError(f"{path} holds {len(saved)} optimizer(s); {len(opts)} given")
-        for o, sd in zip(opts, saved):
-            o.load_state_dict(sd)
-    elif opts:
-        set_optimizer_state_dict(model, opts, state["optimizer"])
-    mp.load_state_dict(state["mixprec"]["state"])  # after the model: the masters (if any) win
-    if scheduler is not None:
-        scheduler.load_state_dict(_unblob(state["scheduler"]))
+    state = _state(model, opts, mp, scheduler)  # (raises inside an accumulation window, on every rank alike)
+    root, (rank, world) = Path(path), _rank_world()
+    save_id = _on_rank0(lambda: layout.begin(root), f"preparing {root}")
+    tmp = root / f"{layout.TMP}{save_id}"
+    layout._fault_point("save:begin")
+    files: dict[str, Any] = {}
+    try:
+        _dcp(dcp.save, state, tmp)
+        layout._fault_point("save:written")
+        for part in _all_gather(layout.digest_files(tmp, layout.files_of_rank(tmp, rank))):
+            files.update(part)
+    except (CheckpointError, RuntimeError) as e:  # (RuntimeError: a collective failed, another rank stopped?)
+        raise CheckpointError(f"saving into {tmp} failed ({type(e).__name__}: {_first_line(e)}). Nothing was "
+                              f"published: {root}/latest still names the previous checkpoint, and the next save "
+                              "removes this partial one") from None
+    layout._fault_point("save:manifest")
+    meta, step = state["mixprec"]["meta"], int(mp._steps)
+
+    def finish() -> str:
+        _check_every_file_seen(tmp, files)
+        layout.write_marker(tmp, {
+            "format": "mixprec-checkpoint", "layout": layout.LAYOUT, "step": step, "world_size": world,
+            "mode": meta["mode"], "recipe": meta["recipe"], "optimizer": meta["optimizer"],
+            "scheduler": scheduler is not None, "mixprec": _version(), "torch": torch.__version__,
+            "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "time": time.time(), "save_id": save_id, "checksum": "crc32", "files": files,
+        })
+        layout._fault_point("save:marker")
+        name = layout.step_name(step)
+        layout.publish(root, save_id, name)
+        if keep is not None:
+            layout.prune(root, keep, name)
+        return name
+
+    return str(root / _on_rank0(finish, f"publishing {tmp}"))
 
 
-def _keys(path: str) -> set[str]:
-    """Top-level keys of a DCP checkpoint (from its metadata file)."""
+def _version() -> str:
+    # the parent package is imported before any of its modules; its version is read, not imported
+    # (the face is above this room)
+    return str(getattr(sys.modules.get("mixprec"), "__version__", "unknown"))
+
+
+def _check_every_file_seen(tmp: Path, files: dict[str, Any]) -> None:
+    """Rank 0: every file DCP's metadata refers to is in the ranks' manifest and visible here."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    metadata = FileSystemReader(str(path)).read_metadata()
-    return {key.split(".", 1)[0] for key in metadata.state_dict_metadata}
+    metadata = FileSystemReader(str(tmp)).read_metadata()
+    used = {info.relative_path for info in (metadata.storage_data or {}).values()}
+    unseen = sorted(n for n in used if n not in files or not (tmp / n).is_file())
+    if unseen:
+        raise CheckpointError(f"rank 0 does not see {', '.join(unseen[:4])} in {tmp}, which other ranks wrote: the "
+                              "checkpoint path must be on a file system every rank sees (a shared or network one)")
+
+
+# ---------------------------------------------------------------------------- load
+
+
+def load_checkpoint(path: str | Path, *, model: nn.Module, optimizer: Any, mp: Any, scheduler: Any = None) -> str:
+    """Load a checkpoint ``save_checkpoint`` wrote into ``model``, ``optimizer``, ``mp`` (and
+    ``scheduler``), prepared as for training (``mp.prepare(model, parallel=...)``, the optimizer over
+    ``mp.parameters(model)``). ``path``: the path given to ``save_checkpoint`` (its ``latest``
+    checkpoint is loaded) or one ``step-N`` directory in it. Call on every rank. Returns the
+    directory loaded. Raises ``CheckpointError`` on every rank alike, with nothing changed, when
+    the checkpoint is incomplete or damaged or does not fit this model, optimizer or layout."""
+    import torch.distributed.checkpoint as dcp
+
+    opts = _opts(optimizer)
+    rank, world = _rank_world()
+
+    def whole() -> Path:  # which checkpoint, and is it whole (every rank stats every file, checksums its share)
+        directory = layout.resolve(Path(path))
+        marker = layout.read_marker(directory)
+        bad = layout.check_files(directory, marker, checksum=sorted(marker.get("files") or {})[rank::world])
+        if bad:
+            raise CheckpointError(checks.damaged(directory, bad))
+        checks.check_layout(directory, marker, _layout(mp), scheduler)
+        return directory
+
+    directory = _agreed(whole)
+    empty = [not o.state for o in opts]  # get_optimizer_state_dict initialises an empty optimizer's state
+    try:
+        template = _state(model, opts, mp, scheduler)
+        _agreed(checks.check_tensors, directory, template, model)
+        staged = _copy(template)
+        try:
+            _dcp(dcp.load, staged, directory)
+        except (CheckpointError, RuntimeError) as e:
+            raise CheckpointError(f"reading {directory} failed ({type(e).__name__}: {_first_line(e)}); nothing was "
+                                  "loaded") from None
+
+        def readable() -> list[Any] | None:
+            saved_opts = _unblob(staged["optimizer"]["blob"]) if "blob" in staged["optimizer"] else None
+            checks.check_staged(directory, staged, template, opts, saved_opts)
+            return saved_opts
+
+        saved_opts = _agreed(readable)
+    except BaseException:
+        for o, was_empty in zip(opts, empty):
+            if was_empty:  # as it was
+                o.state.clear()
+        raise
+    _assign(model, opts, mp, scheduler, staged, saved_opts)
+    return str(directory)
+
+
+def _copy(state: Any) -> Any:
+    """A copy of the state dict to read into: new containers, every tensor cloned (DTensors stay
+    DTensors, sharded alike), so that a load that fails halfway leaves the live tensors alone."""
+    if isinstance(state, torch.Tensor):
+        return state.detach().clone()
+    if isinstance(state, dict):
+        return {k: _copy(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(_copy(v) for v in state)
+    return state
+
+
+def _assign(model: nn.Module, opts: Sequence[torch.optim.Optimizer], mp: Any, scheduler: Any,
+            staged: dict[str, Any], saved_opts: list[Any] | None) -> None:
+    """Write the validated copies into the live objects."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    set_model_state_dict(model, staged["model"])
+    if saved_opts is not None:
+        for o, sd in zip(opts, saved_opts):
+            o.load_state_dict(sd)
+    elif opts:
+        set_optimizer_state_dict(model, list(opts), staged["optimizer"])
+    mp.load_state_dict(staged["mixprec"]["state"])  # after the model: the masters (if any) win
+    if scheduler is not None:
+        scheduler.load_state_dict(_unblob(staged["scheduler"]))

@@ -130,6 +130,26 @@ def _builtin_facts(args: argparse.Namespace) -> list[Any] | None:
     return [StorageFacts(**recipe_facts.FACTS[(name, device_type)]) for name in canonical]
 
 
+def _fsdp_refusals(args: argparse.Namespace, recipes: list[Any]) -> dict[str, str]:
+    """Under --parallel fsdp, the recipes prepare(parallel="fsdp") refuses -> why. A recipe named
+    is an error (no plan for what cannot run); under --recipe all they are left out, and said."""
+    if args.parallel != "fsdp":
+        return {}
+    if recipes and not hasattr(recipes[0], "fsdp_refused"):  # Recipe objects: their facts say it
+        from mixprec.memory import facts_from_recipe
+
+        recipes = [facts_from_recipe(r, args.device.split(":")[0]) for r in recipes]
+    refused = {f.name: f.fsdp_refused for f in recipes if f.fsdp_refused}
+    if refused and args.recipe != "all":
+        name, why = next(iter(refused.items()))
+        raise ValueError(f"--parallel fsdp with recipe {name!r}: prepare(parallel='fsdp') refuses it, so there is no "
+                         f"per-rank plan to make: {why}")
+    if refused:
+        print(f"note: not planned under --parallel fsdp (prepare(parallel='fsdp') refuses them): "
+              f"{', '.join(refused)}", file=sys.stderr)
+    return refused
+
+
 class _NoTaskError(Exception):
     """Stands for mixprec.tasks.TaskError where the tasks (and torch) were not imported."""
 
@@ -172,6 +192,11 @@ def run(args: argparse.Namespace) -> int:
         if (args.world_size > 1) != (args.parallel is not None) or args.world_size < 1:
             raise ValueError("per rank needs both --world-size N (N > 1) and --parallel fsdp|ddp; "
                              f"got --world-size {args.world_size} and --parallel {args.parallel}")
+        skipped = _fsdp_refusals(args, facts if facts is not None else recipes)
+        if facts is not None:
+            facts = [f for f in facts if f.name not in skipped]
+        else:
+            recipes = [r for r in recipes if r.name not in skipped]
         if args.measure and args.parallel:
             raise ValueError("--measure runs one process; the per-rank plan is checked against a measured 2-rank run "
                              "by the tests (mixprec.memory.measure.measure_parallel_step, on every rank under torchrun)")

@@ -96,6 +96,8 @@ class StorageFacts:
             bucket on top of the step-time fp32 memory (noticeable only for small models).
         fp8: an fp8 recipe: the weights of its fp8 linears are copied to fp8 (1 B) for the step,
             not to the compute dtype (``ParamCounts.fp8_weights`` says how many).
+        fsdp_refused: why ``prepare(parallel="fsdp")`` refuses the recipe (None: it runs), so
+            that no per-rank FSDP2 plan is made for a set-up that cannot run.
     """
 
     name: str
@@ -111,6 +113,7 @@ class StorageFacts:
     step_temp_bytes: int = 0
     bucket_numel: int = 0
     fp8: bool = False
+    fsdp_refused: str | None = None
 
     @property
     def stores_16bit(self) -> bool:
@@ -277,6 +280,9 @@ def plan(
         raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
     if parallel not in (None, "ddp", "fsdp"):
         raise ValueError(f"parallel must be 'ddp', 'fsdp' or None, got {parallel!r}")
+    if parallel == "fsdp" and facts.fsdp_refused:
+        raise ValueError(f"no FSDP2 plan for recipe {facts.name!r}: prepare(parallel='fsdp') refuses it "
+                         f"({facts.fsdp_refused}). Plan it with --parallel ddp, or plan 'bf16-true' under fsdp")
     if parallel == "fsdp":
         return _fsdp_plan(counts, facts, optimizer, shape, accumulate, world_size)
     n = counts.total
@@ -344,6 +350,7 @@ def plan(
 def facts_from_recipe(recipe: Any, device_type: str = "cpu") -> StorageFacts:
     """``StorageFacts`` for a ``mixprec.Recipe`` on ``device_type`` (imports torch: the recipe
     already did). The device matters for autocast's op lists: on CUDA softmax runs in fp32."""
+    from mixprec.distributed.fsdp import unsupported
     from mixprec.formats import get_format
     from mixprec.masters import STRATEGIES
     from mixprec.masters.buckets import BUCKET_NUMEL
@@ -365,6 +372,7 @@ def facts_from_recipe(recipe: Any, device_type: str = "cpu") -> StorageFacts:
         fp8=getattr(recipe, "fp8", None) is not None,
         norm_bytes=4,
         prob_bytes=4 + compute_bytes if device_type == "cuda" and recipe.autocast and compute_bytes < 4 else None,
+        fsdp_refused=unsupported(recipe),
     )
 
 
