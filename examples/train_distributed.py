@@ -12,6 +12,7 @@ built-in character model trains on the corpus mixprec ships; swap in your own mo
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
 
 import torch
@@ -34,13 +35,16 @@ def main(argv: list[str] | None = None) -> float:
     parser.add_argument("--keep", type=int, default=None, help="keep only the last KEEP checkpoints in --checkpoint")
     parser.add_argument("--resume", default=None, help="load a checkpoint first: a --checkpoint directory (its "
                         "latest) or one step-N directory in it")
+    parser.add_argument("--timeout", type=float, default=300.0,
+                        help="seconds a collective may wait for the other ranks before it raises (a rank that died "
+                             "or stopped); torch's default is 30 minutes (default: %(default)g)")
     args = parser.parse_args(argv)
 
     cuda = args.device.startswith("cuda")
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if cuda:
         torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl" if cuda else "gloo")
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=args.timeout))
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if args.batch % world:

@@ -31,7 +31,9 @@ from mixprec.islands import FAMILIES, Rule, as_rules, family_matches, keep_fp32
 from mixprec.masters import MasterWeights, export, make_masters
 from mixprec.policy import InputCast, OutputCast, autocast_outside, cast_floating_buffers
 from mixprec.recipes import Recipe, as_device, as_requested, resolve_recipe
-from mixprec.scaling import GradScaler, NoOpScaler, StaticLossScaler
+from mixprec.scaling import GradScaler
+from mixprec.scaling.choose import scaler_for
+from mixprec.seam import Local
 from mixprec.step_io import (
     ModelsHeld,
     Optimizers,
@@ -95,7 +97,7 @@ class MixedPrecision:
         self.accumulate = accumulate
         self.track_grad_norm = track_grad_norm
         self.fp32_modules = tuple(as_rules(fp32_modules))
-        self.scaler = self._make_scaler(scaler, skip_nonfinite)
+        self.scaler = scaler_for(self.recipe, self.device, scaler, skip_nonfinite)
         self.nan_guard = _check_nan_guard(nan_guard)
         self.guard = None
         self._micro = 0
@@ -126,31 +128,6 @@ class MixedPrecision:
     def policy(self):
         return self.recipe.policy
 
-    def _make_scaler(self, scaler: GradScaler | dict[str, Any] | None, skip_nonfinite: bool) -> GradScaler:
-        dev = self.device.type
-        if isinstance(scaler, GradScaler):
-            return scaler
-        if scaler is not None and not isinstance(scaler, dict):
-            raise TypeError(
-                f"scaler must be None, a dict of GradScaler arguments, or a mixprec scaler; got "
-                f"{type(scaler).__name__}. (A torch.amp.GradScaler cannot report skipped steps without "
-                "a sync; pass its arguments as a dict instead.)"
-            )
-        kwargs = dict(scaler or {})
-        kind = self.recipe.loss_scaling
-        if kind == "dynamic":
-            return GradScaler(dev, **kwargs)
-        if kind == "static":
-            return StaticLossScaler(kwargs.pop("scale", self.recipe.static_scale), dev, **kwargs)
-        if kwargs:
-            raise ValueError(
-                f"Recipe {self.recipe.name!r} uses no loss scaler, so scaler arguments {sorted(kwargs)} "
-                "would be ignored; drop them, or choose an fp16 recipe"
-            )
-        if skip_nonfinite:
-            return StaticLossScaler(1.0, dev)
-        return NoOpScaler(dev)
-
     # ------------------------------------------------------------------ model
 
     def prepare(self, model: nn.Module, parallel: Any = None) -> nn.Module:
@@ -161,12 +138,15 @@ class MixedPrecision:
         every rank; docs/distributed.md). Raises ValueError when the model's parameters are not
         where/what the recipe expects (on another device, or cast to 16 bits with ``model.half()``).
         """
-        if parallel is not None:
-            from mixprec.distributed.prepare import prepare_parallel  # a capability: loaded only when asked for
-            return prepare_parallel(self, model, parallel)
-        return self._prepare(model)
+        if parallel is None:
+            return self._prepare(model)
+        from mixprec.distributed.prepare import plug  # a capability: the strategy (mixprec.seam), loaded when asked for
+        plugged = plug(model, parallel, Local(self.recipe, self.device, self.scaler, self.accumulate, self.fp32_modules,
+                                              self.masters, self._prepare, self._dist is not None))
+        self._dist, self.masters = plugged.strategy, plugged.masters
+        return plugged.model
 
-    def _prepare(self, model: nn.Module, *, check_params: bool = True) -> nn.Module:
+    def _prepare(self, model: nn.Module, *, check_params: bool = True, masters: bool = True) -> nn.Module:
         if not isinstance(model, nn.Module):
             raise TypeError(f"prepare() expects an nn.Module, got {type(model).__name__}")
         if getattr(model, "_mixprec_recipe", None) is not None:
@@ -177,7 +157,7 @@ class MixedPrecision:
                 f"build a fresh model to prepare it for {self.recipe.name!r}"
             )
         if check_params:
-            self._check_params(model)
+            check_model_params(model, self.device, self.recipe, self.masters is not None)
         self._families = {f: family_matches(model, f) for f in (*self.recipe.fp32_modules, *self.fp32_modules)
                           if isinstance(f, str) and f in FAMILIES}
         if self.recipe.autocast:
@@ -192,7 +172,7 @@ class MixedPrecision:
             from mixprec.fp8.state import Fp8Training  # a capability: imported when a recipe asks for it
 
             self.fp8 = Fp8Training.attach(model, self.fp8_spec, self.device, self.recipe.name)
-        if self.masters is not None:
+        if self.masters is not None and masters:
             self.masters.attach(model)
             if self.recipe.autocast:  # 16-bit weights: eval loops, generate(), a submodule run outside mp.autocast() too
                 autocast_outside(model, self.device.type, self.policy.compute_dtype)
@@ -220,9 +200,6 @@ class MixedPrecision:
         if self.masters is None:
             return list(model.named_parameters())
         return list(self.masters.named_parameters(model))
-
-    def _check_params(self, model: nn.Module) -> None:
-        check_model_params(model, self.device, self.recipe, self.masters is not None)
 
     def autocast(self) -> torch.autocast:
         """The compute policy as a context manager (disabled for recipes that do not autocast)."""
@@ -300,7 +277,8 @@ class MixedPrecision:
         ``optimizers``' parameters, of the prepared model, and the 16-bit ones waiting for the
         masters), the micro-step counter and window loss, and the scaler's record of the step
         (which optimizers it unscaled, what inf checks it made). The loss scale, the masters and
-        the optimizer state stay as they are: the next ``step`` starts a fresh window.
+        the optimizer state stay as they are: the next ``step`` starts a fresh window (under ``parallel=``
+        it keeps its place, and the next decision says so on every rank: docs/distributed.md).
 
         ``step`` calls it when it raises (a failing backward, a hook, the optimizer, a
         KeyboardInterrupt), so the failed micro-batch leaves nothing behind and the next step does
@@ -316,7 +294,9 @@ class MixedPrecision:
         model = self._model_ref() if self._model_ref is not None else None
         if model is not None:
             model.zero_grad(set_to_none=True)
-        self._micro, self._loss_sum = 0, None
+        # under parallel=, the strategy says what this means for the other ranks, and where the window goes
+        # on from: the place it has on the other ranks (docs/distributed.md)
+        self._micro, self._loss_sum = 0 if self._dist is None else self._dist.discard(self._steps), None
 
     def _check_prepared(self) -> None:
         if self.masters is not None and self.masters._model is None:
@@ -354,8 +334,12 @@ class MixedPrecision:
                                               exact=self.scaler.scale_is_power_of_two)
             else:
                 self.scaler.unscale_(opt)
-        # one skip decision for every optimizer, and with parallel= for every rank (a MAX all-reduce)
-        self.scaler.share_skip_decision(opts, across=None if self._dist is None else self._dist.all_reduce_max)
+        # one skip decision for every optimizer, and with parallel= for every rank (a MAX all-reduce that
+        # also checks that the ranks are in step)
+        if self._dist is None:
+            self.scaler.share_skip_decision(opts)
+        else:
+            self._dist.share_skip_decision(self.scaler, opts, self._steps)
 
     def clip_grad_norm_(self, optimizers: Optimizers, max_norm: float | None, norm_type: float = 2.0, *,
                         parameters: Iterable[torch.Tensor] | None = None) -> torch.Tensor | None:
@@ -392,6 +376,8 @@ class MixedPrecision:
         if self.fp8 is not None:  # delayed scaling's history advances, unless the step was skipped
             self.fp8.after_step(scaler.last_skipped if scaler._enabled else None)
         loss = torch.full((), float("nan"), device=self.device) if loss is None else loss
+        if self._dist is not None:  # the step is done on this rank
+            self._dist.stepped()
         return StepStats(loss, grad_norm, scale, skipped, True, self._steps)
 
     def _scaler_defers(self) -> bool:
@@ -467,6 +453,8 @@ class MixedPrecision:
             load_fp8_state(self, state.get("fp8"), state.get("recipe"))
         self._steps = int(state.get("steps", 0))
         self._micro, self._loss_sum = 0, None
+        if self._dist is not None:  # (every rank loads the same checkpoint: they are in step again)
+            self._dist.loaded()
 
     def fp32_state_dict(self, model: nn.Module) -> dict[str, Any]:
         """``model.state_dict()`` in fp32: the masters' values in place of 16-bit weights, tied names

@@ -17,7 +17,8 @@ torch.distributed.checkpoint that resume bit for bit.
 - ``config``: ``DDP`` and ``FSDP``, the options of ``prepare(parallel=...)``.
 - ``prepare``: the checks on every rank, the one agreement between ranks, then the wrapping.
 - ``ddp``: DistributedDataParallel and its comm hooks; ``fsdp``: ``fully_shard`` per group.
-- ``runtime``: ``Parallel``, what the step asks of torch.distributed.
+- ``runtime``: ``Parallel``, what the step asks of torch.distributed (``mixprec.seam.Strategy``).
+- ``alignment``: the ranks kept in step when a step raises on one of them (``DesyncError``).
 - ``checkpoint``: ``save_checkpoint`` / ``load_checkpoint`` (DCP).
 
 ``import mixprec.distributed`` loads only ``config`` (names resolve lazily).
@@ -34,6 +35,7 @@ _LAZY = {
     "load_checkpoint": "mixprec.distributed.checkpoint",
     "CheckpointError": "mixprec.distributed.checkpoint",
     "ParallelError": "mixprec.distributed.prepare",
+    "DesyncError": "mixprec.distributed.alignment",
     "Parallel": "mixprec.distributed.runtime",
 }
 

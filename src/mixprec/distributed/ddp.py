@@ -51,10 +51,12 @@ def compress_hook(dtype: torch.dtype) -> Any:
 
 
 def wrap(mp: Any, model: nn.Module, cfg: Any) -> tuple[nn.Module, nn.Module]:
-    """Prepare ``model`` for ``mp``'s recipe and wrap it in DDP; returns (the wrapper, the module)."""
+    """Prepare ``model`` for the recipe ``mp`` (a ``mixprec.seam.Local``) describes and wrap it in DDP;
+    returns (the wrapper, the module). DDP broadcasts buffers from rank 0 at each forward unless
+    ``DDP(broadcast_buffers=False)``: the one place that is set."""
     from torch.nn.parallel import DistributedDataParallel
 
-    local = mp._prepare(model)
+    local = mp.apply(model)
     kwargs: dict[str, Any] = {
         "process_group": cfg.process_group,
         "find_unused_parameters": cfg.find_unused_parameters,

@@ -23,31 +23,35 @@ from mixprec.distributed import fsdp as _fsdp
 from mixprec.distributed.config import DDP, FSDP, as_parallel
 from mixprec.distributed.ddp import wrap as wrap_ddp
 from mixprec.distributed.runtime import Parallel
+from mixprec.seam import Local, Plugged
+from mixprec.step_io import check_model_params
 
 
 class ParallelError(ValueError):
     """A distributed setup mixprec refuses; raised on every rank alike, the message says what to do."""
 
 
-def prepare_parallel(mp: Any, model: nn.Module, spec: Any) -> nn.Module:
-    """Apply ``mp``'s recipe to ``model`` and wrap it for ``spec`` (see ``MixedPrecision.prepare``)."""
+def plug(model: nn.Module, spec: Any, local: Local) -> Plugged:
+    """Apply the recipe ``local`` describes to ``model`` and wrap it for ``spec``: the strategy side of
+    ``MixedPrecision.prepare(model, parallel=spec)`` (``mixprec.seam``)."""
     cfg = as_parallel(spec)
     group = cfg.process_group if isinstance(cfg, DDP) else None
-    _require_process_group(cfg, mp.device, group)
-    problems = local_problems(mp, model, cfg)
-    agree(problems, signature(mp, model, cfg), group)
+    _require_process_group(cfg, local.device, group)
+    problems = local_problems(local, model, cfg)
+    agree(problems, signature(local, model, cfg), group)
     _broadcast_from_rank0(model, group)  # the same starting point everywhere (FSDP2 does not broadcast)
     if isinstance(cfg, DDP):
-        wrapped, local = wrap_ddp(mp, model, cfg)
-        mp._dist = Parallel(cfg, wrapped, local, group)
-        return wrapped
-    fp32_rule = mp.masters.fp32_params if mp.masters is not None else ()
-    mp.masters = None  # the sharded fp32 parameters are the masters; the optimizer steps them
-    local = mp._prepare(model, check_params=False)
-    mesh = cfg.mesh if cfg.mesh is not None else _default_mesh(mp.device)
-    groups = _fsdp.shard(local, mp.recipe, fp32_rule, cfg, mesh)
-    mp._dist = Parallel(cfg, local, local, group, mesh, groups)
-    return local
+        wrapped, inner = wrap_ddp(local, model, cfg)
+        strategy = Parallel(cfg, wrapped, inner, group, accumulate=local.accumulate, device=local.device,
+                            masters=local.masters is not None)
+        return Plugged(wrapped, strategy, local.masters)
+    fp32_rule = local.masters.fp32_params if local.masters is not None else ()
+    # the sharded fp32 parameters are the masters (the optimizer steps them): the facade keeps none
+    inner = local.apply(model, check_params=False, masters=False)
+    mesh = cfg.mesh if cfg.mesh is not None else _default_mesh(local.device)
+    groups = _fsdp.shard(inner, local.recipe, fp32_rule, cfg, mesh)
+    strategy = Parallel(cfg, inner, inner, group, mesh, groups, accumulate=local.accumulate, device=local.device)
+    return Plugged(inner, strategy, None)
 
 
 def _require_process_group(cfg: DDP | FSDP, device: torch.device, group: Any) -> None:
@@ -82,7 +86,7 @@ def _wrapped_by(model: nn.Module) -> str | None:
     return None
 
 
-def local_problems(mp: Any, model: nn.Module, cfg: DDP | FSDP) -> list[str]:
+def local_problems(mp: Local, model: nn.Module, cfg: DDP | FSDP) -> list[str]:
     """What this rank finds wrong on its own (raising now would leave the other ranks waiting)."""
     if not isinstance(model, nn.Module):
         return [f"prepare() expects an nn.Module, got {type(model).__name__}"]
@@ -97,7 +101,7 @@ def local_problems(mp: Any, model: nn.Module, cfg: DDP | FSDP) -> list[str]:
     if getattr(model, "_mixprec_recipe", None) is not None:
         problems.append(f"the model was already prepared (recipe {model._mixprec_recipe!r}); prepare a fresh model "
                         f"once, with parallel={cfg.mode!r}")
-    if mp._dist is not None:
+    if mp.parallel:
         problems.append("this MixedPrecision already trains a distributed model; use one MixedPrecision per model")
     if isinstance(cfg, FSDP):
         why = _fsdp.unsupported(mp.recipe)
@@ -113,13 +117,13 @@ def local_problems(mp: Any, model: nn.Module, cfg: DDP | FSDP) -> list[str]:
                         "-mixed recipe, whose fp32 gradients DDP compresses in its buckets)")
     if not problems:
         try:
-            mp._check_params(model)
+            check_model_params(model, mp.device, mp.recipe, mp.masters is not None)
         except ValueError as e:
             problems.append(str(e))
     return problems
 
 
-def signature(mp: Any, model: nn.Module, cfg: DDP | FSDP) -> dict[str, str]:
+def signature(mp: Local, model: nn.Module, cfg: DDP | FSDP) -> dict[str, str]:
     """What must be the same on every rank, as strings (so ranks can say how they differ)."""
     scaler = mp.scaler
     scaling = type(scaler).__name__

@@ -32,7 +32,7 @@ The modules, one seam each (``GradScaler`` is one class; the seams are its mixin
   power-of-two bookkeeping.
 - ``record``: the per-step record: ``last_skipped``, ``last_scale``, ``was_skipped()``,
   ``skipped_steps``, ``history()``.
-- ``static``: ``StaticLossScaler`` and ``NoOpScaler``.
+- ``static``: ``StaticLossScaler`` and ``NoOpScaler``; ``choose``: which one a recipe trains with.
 - ``errors``: ``ScaleFloorError``, ``ScalerConfigError``.
 """
 
