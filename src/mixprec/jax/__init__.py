@@ -47,6 +47,7 @@ _LAZY: dict[str, str] = {
     "recipe_names": "mixprec.jax.recipes",
     "skip_nonfinite": "mixprec.jax.optim",
     "SkipNonFiniteState": "mixprec.jax.optim",
+    "Accumulation": "mixprec.jax.optim",
     "loss_scale_of": "mixprec.jax.optim",
     "skipped_steps_of": "mixprec.jax.optim",
     "probe_grad_underflow": "mixprec.jax.probes",
