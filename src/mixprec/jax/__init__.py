@@ -55,6 +55,7 @@ _LAZY: dict[str, str] = {
     "load_tree": "mixprec.jax.checkpoint",
     "JaxTask": "mixprec.jax.tasks",
     "compare": "mixprec.jax.comparison",
+    "cast_to_compute_varying": "mixprec.jax.parallel",
 }
 
 __all__ = (
