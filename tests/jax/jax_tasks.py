@@ -18,6 +18,9 @@ def make_task(kind: str = "linear", steps: int = 40) -> JaxTask:
     spacing there is 4, so a bf16 prediction is off by up to 2 (a loss floor of ~1.3 against fp32's ~0.09);
     the rounding sits in one add that XLA's CPU excess precision would silently keep in f32."""
 
+    if kind == "mlp":
+        return _mlp(steps)
+
     def get_batch(step):
         rng = np.random.default_rng(100 + step)
         x = rng.standard_normal((32, 8)).astype(np.float32)
@@ -53,3 +56,28 @@ def make_task(kind: str = "linear", steps: int = 40) -> JaxTask:
         steps=steps,
         description=f"tiny linear regression ({kind})",
     )
+
+
+def _mlp(steps):
+    """Three dense layers multiplied through ``recipe.matmul`` (16 -> 32 -> 32 -> 16): under an fp8 recipe
+    the middle one computes in fp8 (the first and last stay bf16, the torch side's rule)."""
+    w_true = np.random.default_rng(1).standard_normal((16, 16)).astype(np.float32) / 4
+
+    def get_batch(step):
+        rng = np.random.default_rng(200 + step)
+        x = rng.standard_normal((32, 16)).astype(np.float32)
+        return x, np.tanh(x @ w_true) + 0.05 * rng.standard_normal((32, 16)).astype(np.float32)
+
+    def init_params(key):
+        rng = np.random.default_rng(int(np.asarray(key).sum()))
+        shapes = {"a": (16, 32), "b": (32, 32), "c": (32, 16)}
+        return {k: jnp.asarray(rng.standard_normal(s) / np.sqrt(s[0]), jnp.float32) for k, s in shapes.items()}
+
+    def apply(params, x, recipe):
+        h = jnp.tanh(recipe.matmul(x, params["a"]))
+        h = jnp.tanh(recipe.matmul(h, params["b"]))
+        return recipe.matmul(h, params["c"])
+
+    return JaxTask(name="tiny-mlp", init_params=init_params, get_batch=get_batch, apply=apply,
+                   loss_fn=lambda out, y: jnp.mean((out - y) ** 2), make_optimizer=lambda: optax.adam(0.02),
+                   steps=steps, description="tiny 3-layer MLP through recipe.matmul")

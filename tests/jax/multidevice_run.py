@@ -83,4 +83,42 @@ updates, state = step(params, state, bad)
 out["gspmd"] = {"skipped": bool(state.last_skipped), "scale": float(state.loss_scale.loss_scale),
                 "params_unchanged": bool(np.array_equal(np.asarray(optax.apply_updates(params, updates)["w"]), np.asarray(W)))}
 
+
+# the gradient all-reduce's dtype, from the compiled HLO: fp32 replicated params, batch split over "d", fp16 compute
+import re  # noqa: E402
+
+
+def all_reduce_dtypes(compiled):
+    return sorted(set(re.findall(r"= (\w+)\[[^\]]*\][^ ]* all-reduce\(", compiled.as_text())))
+
+
+policy = mpj.get_policy("p=f32,c=f16,o=f32")
+xb = jnp.asarray(np.ones((4, 4), np.float32))
+# per-device scaled gradients of 40000 each: fine in fp16 alone, inf when summed in fp16 (65504 is its max)
+yb = jnp.asarray(np.zeros((4, 2), np.float32))
+w0 = {"w": jnp.full((4, 2), 1.0, jnp.float32)}
+
+
+def dp_grads(fp32_reduce):
+    def local(params, x, y):
+        def loss(p):
+            pc = mpj.cast_to_compute_varying(policy, p, "d") if fp32_reduce else policy.cast_to_compute(p)
+            out = policy.cast_to_output(policy.cast_to_compute(x) @ pc["w"])
+            return jnp.sum((out - y) ** 2) * 2500.0  # d/dw per device: 2 rows * 2 * 4 * 2500 = 40000 per entry
+        return jax.grad(loss)(params)  # summed over the devices by the psum JAX inserts (the pcast's transpose)
+    return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P("d"), P("d")), out_specs=P()))
+
+
+for label, fp32_reduce in (("reduce_compute_dtype", False), ("reduce_fp32", True)):
+    f = dp_grads(fp32_reduce)
+    g = f(w0, xb, yb)
+    out[label] = {"all_reduce": all_reduce_dtypes(f.lower(w0, xb, yb).compile()),
+                  "grad": float(np.asarray(g["w"]).max()), "finite": bool(np.isfinite(np.asarray(g["w"])).all())}
+
+# jit over NamedSharding inputs, the same cast inside: XLA's partitioner all-reduces the 16-bit gradient
+xs, ys = jax.device_put(xb, NamedSharding(mesh, P("d"))), jax.device_put(yb, NamedSharding(mesh, P("d")))
+gj = jax.jit(jax.grad(lambda p, x, y: jnp.sum((policy.cast_to_output(policy.cast_to_compute(x) @ policy.cast_to_compute(p)["w"])
+                                              - y) ** 2) * 2500.0))
+out["jit_named_sharding"] = {"all_reduce": all_reduce_dtypes(gj.lower(w0, xs, ys).compile())}
+
 json.dump(out, sys.stdout)

@@ -52,3 +52,17 @@ def test_gradients_already_all_reduced_carry_the_overflow_to_every_replica(obser
 def test_jit_over_sharded_arrays_decides_globally(observed):
     o = observed["gspmd"]
     assert o["skipped"] and o["scale"] == 512.0 and o["params_unchanged"]
+
+
+def test_the_docs_pattern_all_reduces_the_16_bit_scaled_gradient(observed):
+    """The silent failure: fp32 replicated params cast inside a shard_map step: the implicit psum runs in
+    fp16, and two finite per-device gradients of 40000 sum to inf (a forced skip). Under jit over
+    NamedSharding inputs the partitioner does the same."""
+    assert observed["reduce_compute_dtype"]["all_reduce"] == ["f16"]
+    assert not observed["reduce_compute_dtype"]["finite"]
+    assert observed["jit_named_sharding"]["all_reduce"] == ["f16"]
+
+
+def test_cast_to_compute_varying_reduces_in_fp32(observed):
+    o = observed["reduce_fp32"]
+    assert o["all_reduce"] == ["f32"] and o["finite"] and o["grad"] == 80000.0

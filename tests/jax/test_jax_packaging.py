@@ -111,4 +111,4 @@ def test_help_does_not_import_jax_even_when_installed():
 def test_pyproject_has_the_jax_extra():
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     names = {r.split(">")[0].split("=")[0].split("<")[0].strip() for r in extras["jax"]}
-    assert names == {"jax", "jaxlib", "optax"}
+    assert names == {"jax", "jaxlib", "optax", "flax"}

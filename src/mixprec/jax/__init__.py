@@ -39,6 +39,9 @@ from mixprec.jax.loss_scale import (
 from mixprec.jax.policy import Policy, cast_to_full, cast_to_half, dtype_to_names, get_policy, half_dtype
 
 from mixprec import __version__ as __version__  # noqa: E402  (mixprec.jax.__version__ is mixprec's)
+from mixprec.jax.flax_support import register as _register_flax_serialization
+
+_register_flax_serialization()  # flax.serialization handlers for the state classes, when flax is installed
 
 # beyond jmp: name -> module, imported on first use (the recipes and tools import torch-side modules)
 _LAZY: dict[str, str] = {
@@ -47,6 +50,7 @@ _LAZY: dict[str, str] = {
     "recipe_names": "mixprec.jax.recipes",
     "skip_nonfinite": "mixprec.jax.optim",
     "SkipNonFiniteState": "mixprec.jax.optim",
+    "Accumulation": "mixprec.jax.optim",
     "loss_scale_of": "mixprec.jax.optim",
     "skipped_steps_of": "mixprec.jax.optim",
     "probe_grad_underflow": "mixprec.jax.probes",
@@ -54,6 +58,7 @@ _LAZY: dict[str, str] = {
     "load_tree": "mixprec.jax.checkpoint",
     "JaxTask": "mixprec.jax.tasks",
     "compare": "mixprec.jax.comparison",
+    "cast_to_compute_varying": "mixprec.jax.parallel",
 }
 
 __all__ = (

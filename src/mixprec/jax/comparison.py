@@ -24,7 +24,7 @@ import dataclasses
 import functools
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +37,7 @@ from mixprec.comparison.verdict import Band, Verdict, VerdictRule, fp32_band, ju
 from mixprec.jax.optim import loss_scale_of, skip_nonfinite
 from mixprec.jax.policy import policy_label
 from mixprec.jax.recipes import JaxRecipe, get_recipe
-from mixprec.jax.tasks import JaxTask, _batch, check_jax_task, load_jax_task
+from mixprec.jax.tasks import JaxTask, _batch, check_jax_seeds, check_jax_task, load_jax_task
 from mixprec.tasks import TaskError
 
 RunStartFn = Callable[[str, int, int], None]
@@ -49,13 +49,16 @@ COMPILER_OPTIONS = {"xla_allow_excess_precision": False}
 
 @dataclasses.dataclass
 class JaxComparisonResult(ComparisonResult):
-    """``ComparisonResult`` of JAX runs; its JSON says so (``backend``, jax versions)."""
+    """``ComparisonResult`` of JAX runs; its JSON says so (``backend``, jax versions, the XLA options), and
+    for each fp8 recipe which dots of the forward computed in fp8 (``fp8_layers``)."""
+
+    fp8_layers: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         import jaxlib
 
         return {**super().to_dict(), "backend": "jax", "jax": jax.__version__, "jaxlib": jaxlib.__version__,
-                "optax": optax.__version__, "xla": dict(COMPILER_OPTIONS)}
+                "optax": optax.__version__, "xla": dict(COMPILER_OPTIONS), "fp8_layers": self.fp8_layers}
 
 
 def resolve_device(device: str | None) -> Any:
@@ -74,31 +77,85 @@ def resolve_device(device: str | None) -> Any:
         raise ValueError(f"device {device!r}: jax has {len(devices)} {platform} device(s)") from None
 
 
-def make_step(task: JaxTask, recipe: JaxRecipe) -> tuple[optax.GradientTransformation, StepFn]:
+class Prepared(NamedTuple):
+    """A recipe's step for a task: ``init(params)`` gives the carried state (the optimizer's, and the fp8
+    dots' delayed-scaling state), ``step(params, state, x, y)`` trains one step. ``fp8_layers``: what the
+    fp8 rules decided for each dot of the forward (empty for other recipes)."""
+
+    tx: optax.GradientTransformation
+    step: StepFn
+    init: Callable[[Any], Any]
+    fp8_layers: dict[str, str]
+
+
+def _fp8_sites(task: JaxTask, recipe: JaxRecipe) -> dict[str, Any]:
+    """Trace the forward once (shapes only) to list its dots, and decide each with the fp8 rules; refuse
+    a forward in which none would compute in fp8 (the run would be bf16-mixed under the fp8 name)."""
+    from mixprec.jax.fp8.binding import Binding, bind, decide, no_fp8_message
+
+    binding = Binding()
+    params = task.init_params(jax.random.PRNGKey(0))  # concrete: an init may draw on the host
+    x, _ = _batch(task, 0)
+    policy = recipe.policy
+    jax.eval_shape(lambda p, xb: task.apply(*policy.cast_to_compute((p, xb)), bind(recipe, binding)), params, jnp.asarray(x))
+    sites = decide(recipe, binding.seen)
+    if not any(s.fp8 for s in sites.values()):
+        raise TaskError(no_fp8_message(recipe, task.name, sites))
+    return sites
+
+
+def make_step(task: JaxTask, recipe: JaxRecipe) -> Prepared:
     """The optimizer (``skip_nonfinite`` around the task's, clip first) and the jitted training step."""
     policy = recipe.policy
     inner = task.make_optimizer()
     if task.max_grad_norm is not None:
         inner = optax.chain(optax.clip_by_global_norm(task.max_grad_norm), inner)
     tx = skip_nonfinite(inner, recipe)
+    sites = None if recipe.fp8 is None else _fp8_sites(task, recipe)
 
-    def losses(params: Any, x: Any, y: Any, loss_scale: Any) -> tuple[jax.Array, jax.Array]:
+    def forward_recipe(fp8_state: Any) -> JaxRecipe:
+        if sites is None:
+            return recipe
+        from mixprec.jax.fp8.binding import Binding, bind
+
+        return bind(recipe, Binding(sites, fp8_state))
+
+    def losses(params: Any, fp8_state: Any, x: Any, y: Any, loss_scale: Any) -> tuple[jax.Array, jax.Array]:
         params_c, x_c = policy.cast_to_compute((params, x))
-        outputs = policy.cast_to_output(task.apply(params_c, x_c, recipe))
+        outputs = policy.cast_to_output(task.apply(params_c, x_c, forward_recipe(fp8_state)))
         loss = jnp.asarray(task.loss_fn(outputs, y), jnp.float32)
         return loss_scale.scale(loss), loss
 
     @functools.partial(jax.jit, compiler_options=COMPILER_OPTIONS)
-    def step(params: Any, opt_state: Any, x: Any, y: Any) -> tuple[Any, Any, tuple[jax.Array, ...]]:
+    def step(params: Any, state: Any, x: Any, y: Any) -> tuple[Any, Any, tuple[jax.Array, ...]]:
+        opt_state, fp8_state = state
         loss_scale = loss_scale_of(opt_state)
-        (_, loss), grads = jax.value_and_grad(losses, has_aux=True)(params, x, y, loss_scale)
+        (_, loss), (grads, fp8_grads) = jax.value_and_grad(losses, argnums=(0, 1), has_aux=True)(
+            params, fp8_state, x, y, loss_scale)
         grad_norm = _global_norm(loss_scale.unscale(grads))  # before clipping, as the torch runner records it
         updates, opt_state = tx.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
-        scale_used = jnp.asarray(loss_scale.loss_scale, jnp.float32)
-        return new_params, opt_state, (loss, grad_norm, scale_used, opt_state.last_skipped)
+        if fp8_state:
+            from mixprec.jax.fp8 import update
 
-    return tx, step
+            fp8_state = update(fp8_state, fp8_grads, opt_state)
+        scale_used = jnp.asarray(loss_scale.loss_scale, jnp.float32)
+        return new_params, (opt_state, fp8_state), (loss, grad_norm, scale_used, opt_state.last_skipped)
+
+    def init(params: Any) -> Any:
+        fp8_state: dict[str, Any] = {}
+        if sites is not None and recipe.fp8.scaling == "delayed":
+            from mixprec.jax.fp8 import Fp8Meta
+
+            fp8_state = {name: Fp8Meta.init(recipe.fp8) for name, site in sites.items() if site.fp8}
+        return tx.init(params), fp8_state
+
+    layers: dict[str, str] = {}
+    if sites is not None:
+        from mixprec.jax.fp8.binding import describe
+
+        layers = describe(sites)
+    return Prepared(tx, step, init, layers)
 
 
 def run_recipe(
@@ -112,7 +169,7 @@ def run_recipe(
     label: str | None = None,
     progress: ProgressFn | None = None,
     stop_after_nonfinite: int = 10,
-    compiled: dict[str, tuple[Any, StepFn]] | None = None,
+    compiled: dict[str, Prepared] | None = None,
 ) -> RunResult:
     """Train ``task`` for ``steps`` steps under ``recipe`` from ``jax.random.PRNGKey(seed)``.
 
@@ -132,10 +189,11 @@ def run_recipe(
     with jax.default_device(dev):
         if recipe.name not in cache:
             cache[recipe.name] = make_step(task, recipe)
-        tx, step_fn = cache[recipe.name]
+        prepared = cache[recipe.name]
+        step_fn = prepared.step
         try:
             params = recipe.prepare_params(task.init_params(jax.random.PRNGKey(seed)))
-            opt_state = tx.init(params)
+            opt_state = prepared.init(params)
         except Exception as e:
             raise TaskError(f"JAX task {task.name!r} under {recipe.name!r}: init failed: {type(e).__name__}: {e}") from e
         marks = [time.perf_counter()]
@@ -236,6 +294,12 @@ def compare(
         )
     the_task = load_jax_task(task, **(task_kwargs or {}))
     check_jax_task(the_task)
+    check_jax_seeds(the_task)
+    compiled: dict[str, Prepared] = {}
+    with jax.default_device(dev):  # what an fp8 recipe computes is checked before any training
+        for r in candidates:
+            if r.fp8 is not None:
+                compiled[r.name] = make_step(the_task, r)
     n_steps = the_task.steps if steps is None else steps
     rule = rule or VerdictRule()
 
@@ -245,7 +309,6 @@ def compare(
     runs: list[RunResult] = []
     verdicts: dict[str, Verdict] = {}
     band: Band | None = None
-    compiled: dict[str, tuple[Any, StepFn]] = {}
     for index, (recipe, seed, role) in enumerate(plan):
         label = recipe.name if role != "noise" else f"{recipe.name} (seed {seed})"
         if on_run is not None:
@@ -264,8 +327,9 @@ def compare(
             verdicts[recipe.name] = judge(run, band)
 
     result = JaxComparisonResult(
-        task=the_task.name, description=the_task.description, device=f"{dev.platform} (jax, XLA excess precision off)", steps=n_steps,
-        runs=runs, verdicts=verdicts, band=band, rule=rule, wall_s=0.0, threads=0,
+        task=the_task.name, description=the_task.description, device=f"{dev.platform} (jax, XLA excess precision off)",
+        steps=n_steps, runs=runs, verdicts=verdicts, band=band, rule=rule, wall_s=0.0, threads=0,
+        fp8_layers={name: p.fp8_layers for name, p in compiled.items() if p.fp8_layers},
     )
     result.wall_s = time.perf_counter() - t_start
     if out is not None:

@@ -29,37 +29,31 @@ Both branches are computed and selected (no ``lax.cond``), so the step has one s
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
+import numpy as np
 import jax.numpy as jnp
 import optax
 
 from mixprec.jax.loss_scale import DynamicLossScale, LossScale, NoOpLossScale, StaticLossScale, all_finite, select_tree
+from mixprec.jax.nesting import check_nesting
+from mixprec.jax.skip_state import (  # noqa: F401  (re-exported: mixprec.jax's names live here)
+    Accumulation,
+    SkipNonFiniteState,
+    loss_scale_of,
+    skipped_steps_of,
+    step_outcome,
+)
 
 _SCALES = (NoOpLossScale, StaticLossScale, DynamicLossScale)
-
-
-class SkipNonFiniteState(NamedTuple):
-    """The wrapper's state (a pytree).
-
-    Attributes:
-        inner_state: the wrapped transformation's state.
-        loss_scale: the scale to multiply the next step's loss by (``loss_scale_of(state)``).
-        skipped: int32, steps skipped so far.
-        last_skipped: bool, whether the last update was skipped.
-    """
-
-    inner_state: Any
-    loss_scale: LossScale
-    skipped: jax.Array
-    last_skipped: jax.Array
 
 
 def _as_loss_scale(spec: Any) -> LossScale:
     if spec is None:
         return NoOpLossScale()
     if isinstance(spec, _SCALES):
+        _check_scale_value(spec)
         return spec
     from mixprec.jax.recipes import JaxRecipe, get_recipe
 
@@ -69,6 +63,35 @@ def _as_loss_scale(spec: Any) -> LossScale:
         "skip_nonfinite takes a recipe (name or JaxRecipe), a loss scale (NoOpLossScale, StaticLossScale, "
         f"DynamicLossScale) or None; got {type(spec).__name__}"
     )
+
+
+def _check_scale_value(scale: LossScale) -> None:
+    """A loss scale that is not finite and positive skips every step forever (torch's GradScaler refuses it)."""
+    if isinstance(scale, NoOpLossScale):
+        return
+    value = scale.loss_scale
+    if isinstance(value, jax.core.Tracer):
+        return
+    v = np.asarray(value, dtype=np.float64)
+    if not (np.isfinite(v).all() and (v > 0).all()):
+        raise ValueError(
+            f"skip_nonfinite: the loss scale is {v.tolist()}; it must be finite and positive (an infinite scale makes "
+            "every scaled gradient inf, so every step would be skipped and the scale would stay inf). Start from "
+            "e.g. DynamicLossScale(jnp.float32(2**16))"
+        )
+
+
+def _check_inner(inner: Any) -> None:
+    if isinstance(inner, str):
+        raise TypeError(
+            f"skip_nonfinite wraps an optax optimizer, got the string {inner!r}: pass the transformation itself, "
+            f"e.g. skip_nonfinite(optax.{inner.strip().lower() or 'adamw'}(learning_rate=3e-4), 'fp16-mixed')"
+        )
+    if not (callable(getattr(inner, "init", None)) and callable(getattr(inner, "update", None))):
+        raise TypeError(
+            f"skip_nonfinite wraps an optax GradientTransformation (with init and update), got {type(inner).__name__}; "
+            "e.g. skip_nonfinite(optax.adamw(3e-4), 'fp16-mixed')"
+        )
 
 
 def _identity_update(u: Any) -> Any:
@@ -82,11 +105,13 @@ def skip_nonfinite(
     recipe: Any = None,
     *,
     axis_name: Any = None,
+    every_k: int = 1,
 ) -> optax.GradientTransformationExtraArgs:
     """Wrap ``inner`` so that it receives unscaled gradients and steps only when they are finite.
 
     Args:
-        inner: the optimizer (any optax transformation, chains included).
+        inner: the optimizer (any optax transformation, chains included: put a clip inside, where it
+            sees unscaled gradients).
         recipe: where the loss scale comes from: a recipe name or ``JaxRecipe`` (``"fp16-mixed"``
             gives a ``DynamicLossScale`` at 2^16), a loss scale object (a ``DynamicLossScale`` with
             ``max_loss_scale`` or ``hysteresis``, say), or None (no scaling; non-finite steps are
@@ -94,19 +119,39 @@ def skip_nonfinite(
         axis_name: the mapped axis (``pmap``, ``shard_map``, ``vmap``) over which gradients are
             split or replicated: the finiteness decision is all-reduced over it, so every replica
             skips the same steps and keeps the same loss scale.
+        every_k: gradient accumulation, the torch side's ``accumulate=``: each ``update`` is one
+            micro-batch; every ``every_k``-th closes the window and steps ``inner`` once with the mean
+            of the window's unscaled gradients. The loss scale stays fixed within a window and is
+            adjusted once per window; a window holding a non-finite micro-batch is discarded whole (no
+            step, the scale lowered) and the next one starts clean. Between window ends the updates
+            are ``-0.0`` (parameters bitwise unchanged).
+
+    ``skip_nonfinite`` must be the outermost transformation: inside ``optax.chain`` after another one,
+    that one would read the scaled gradient (a clip would clip it) and update its state before the
+    finiteness check; inside ``optax.MultiSteps`` a NaN stays in MultiSteps' accumulator for good.
+    Both are refused when ``init`` runs (use ``every_k`` for accumulation).
 
     The loss scale to multiply the loss by is ``loss_scale_of(state)``; see the module docstring
     for the order of the step.
     """
+    _check_inner(inner)
+    if isinstance(every_k, bool) or not isinstance(every_k, int) or every_k < 1:
+        raise ValueError(f"skip_nonfinite: every_k must be an integer >= 1 (1: no accumulation), got {every_k!r}")
     inner = optax.with_extra_args_support(inner)
     initial_scale = _as_loss_scale(recipe)
 
     def init(params: Any) -> SkipNonFiniteState:
+        check_nesting(init)
+        accumulation = None
+        if every_k > 1:
+            zeros = jax.tree_util.tree_map(lambda p: jnp.zeros(jnp.shape(p), _acc_dtype(p)), params)
+            accumulation = Accumulation(zeros, jnp.zeros([], jnp.int32), jnp.ones([], jnp.bool_))
         return SkipNonFiniteState(
             inner_state=inner.init(params),
             loss_scale=initial_scale,
             skipped=jnp.zeros([], jnp.int32),
             last_skipped=jnp.zeros([], jnp.bool_),
+            accumulation=accumulation,
         )
 
     def update(updates: Any, state: SkipNonFiniteState, params: Any = None, **extra_args: Any) -> tuple[Any, SkipNonFiniteState]:
@@ -114,11 +159,28 @@ def skip_nonfinite(
             raise TypeError(
                 f"skip_nonfinite's update got a {type(state).__name__} as its state; pass the state its init returned"
             )
+        if (state.accumulation is None) != (every_k == 1):
+            raise ValueError(f"skip_nonfinite(every_k={every_k}) got a state made by a wrapper with another every_k")
         grads = state.loss_scale.unscale(updates)
         finite = all_finite(grads, axis_name)
+        acc = state.accumulation
+        ended: Any = True
+        if acc is not None:
+            summed = jax.tree_util.tree_map(lambda a, g: a + g.astype(a.dtype), acc.grads, grads)
+            count = acc.count + 1
+            ended = count == every_k
+            finite = acc.finite & finite
+            grads = jax.tree_util.tree_map(lambda a, g: (a / every_k).astype(jnp.result_type(g)), summed, grads)
+            restart = jax.tree_util.tree_map(jnp.zeros_like, summed)
+            acc = Accumulation(
+                grads=jax.tree_util.tree_map(lambda z, a: jnp.where(ended, z, a), restart, summed),  # a select: no NaN kept
+                count=jnp.where(ended, 0, count).astype(jnp.int32),
+                finite=ended | finite,
+            )
         new_updates, new_inner = inner.update(grads, state.inner_state, params, **extra_args)
+        commit = finite & ended
         try:
-            inner_state = select_tree(finite, new_inner, state.inner_state)
+            inner_state = select_tree(commit, new_inner, state.inner_state)
         except TypeError as e:
             raise TypeError(
                 f"skip_nonfinite: the inner optimizer changed its state's dtypes or shapes in update ({e}). This happens "
@@ -126,36 +188,22 @@ def skip_nonfinite(
                 "keep fp32 parameters in the optimizer (the master copy) and cast them to the compute dtype in the "
                 "forward with policy.cast_to_compute"
             ) from None
-        out = select_tree(finite, new_updates, jax.tree_util.tree_map(_identity_update, new_updates))
-        skipped = ~finite
+        out = select_tree(commit, new_updates, jax.tree_util.tree_map(_identity_update, new_updates))
+        skipped = ~finite & ended
+        loss_scale = state.loss_scale.adjust(finite)
+        if acc is not None:  # adjusted once per window, at its end
+            loss_scale = jax.tree_util.tree_map(lambda n, o: jnp.where(ended, n, o), loss_scale, state.loss_scale)
         return out, SkipNonFiniteState(
             inner_state=inner_state,
-            loss_scale=state.loss_scale.adjust(finite),
+            loss_scale=loss_scale,
             skipped=state.skipped + skipped.astype(jnp.int32),
-            last_skipped=skipped,
+            last_skipped=jnp.asarray(skipped),
+            accumulation=acc,
         )
 
     return optax.GradientTransformationExtraArgs(init, update)
 
 
-def _find_state(state: Any) -> SkipNonFiniteState:
-    found = [
-        s for s in jax.tree_util.tree_leaves(state, is_leaf=lambda x: isinstance(x, SkipNonFiniteState))
-        if isinstance(s, SkipNonFiniteState)
-    ]
-    if len(found) != 1:
-        raise ValueError(
-            f"expected the state of exactly one skip_nonfinite transformation in this optimizer state, found {len(found)}"
-        )
-    return found[0]
-
-
-def loss_scale_of(state: Any) -> LossScale:
-    """The loss scale to multiply the next loss by, from an optimizer state holding a ``skip_nonfinite`` state
-    (directly, or inside ``optax.chain``/``inject_hyperparams`` states)."""
-    return _find_state(state).loss_scale
-
-
-def skipped_steps_of(state: Any) -> jax.Array:
-    """The number of steps ``skip_nonfinite`` skipped (an int32 array)."""
-    return _find_state(state).skipped
+def _acc_dtype(p: Any) -> Any:
+    dtype = jnp.result_type(p)
+    return jnp.promote_types(dtype, jnp.float32) if jnp.issubdtype(dtype, jnp.floating) else dtype

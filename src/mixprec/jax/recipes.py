@@ -14,6 +14,13 @@ with fp32 masters, ``master="fp32"``) therefore trains exactly like its ``-mixed
 export). The torch-only storage schemes (Kahan, stochastic rounding, int16 remainders) and the
 unsafe ``-pure`` baselines (16-bit parameters without a master) are refused.
 
+The fp8 recipes (``fp8-current``, ``fp8-delayed``, the unsafe ``fp8-unscaled``) are bf16-mixed plus
+fp8 dots: ``recipe.fp8`` is their ``mixprec.jax.fp8.Fp8Config``, and a forward computes its matmuls
+in fp8 through ``recipe.dot_general`` / ``recipe.matmul`` (plain ``lax.dot_general`` / ``x @ w`` under
+every other recipe) or through the Flax layers of ``mixprec.jax.fp8``. The policy alone is
+bf16-mixed's: a forward that multiplies with ``@`` does not compute in fp8 (``compare`` refuses such
+a task for an fp8 recipe rather than run bf16 under the fp8 name).
+
 >>> r = get_recipe("fp16-mixed")
 >>> str(r.policy), type(r.loss_scale()).__name__
 ('p=full,c=f16,o=full', 'DynamicLossScale')
@@ -51,6 +58,8 @@ class JaxRecipe:
         fp32_norms: the torch recipe keeps norms in fp32; a task's forward can ask this.
         static_scale: the scale of ``static`` recipes.
         description, reason: from the torch recipe.
+        fp8: the fp8 recipes' ``mixprec.jax.fp8.Fp8Config`` (None for the others); ``fp8_skip_first_last``
+            and ``fp8_exclude`` say which dots of a forward stay bf16 (the torch side's layer rules).
     """
 
     name: str
@@ -61,6 +70,10 @@ class JaxRecipe:
     static_scale: float = 2.0**16
     description: str = ""
     reason: str = "requested"
+    fp8: Any = None
+    fp8_skip_first_last: bool = True
+    fp8_exclude: tuple[str, ...] = ()
+    _fp8_binding: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     def loss_scale(self, init_scale: float | None = None, **kwargs: Any) -> LossScale:
         """A fresh loss scale for this recipe.
@@ -89,6 +102,25 @@ class JaxRecipe:
     def prepare_params(self, params: Any) -> Any:
         """The parameters the optimizer owns: fp32 floating leaves (the master copy)."""
         return cast_to_full(params)
+
+    def dot_general(self, lhs: Any, rhs: Any, dimension_numbers: Any, *, name: str | None = None,
+                    precision: Any = None, preferred_element_type: Any = None) -> Any:
+        """``lax.dot_general`` as this recipe computes it: from fp8 operands under an fp8 recipe
+        (``mixprec.jax.fp8``), plain otherwise. ``name`` identifies the dot for the layer rules and
+        delayed scaling's state (default: its position in the forward, ``dot_0``, ``dot_1``, ...)."""
+        if self.fp8 is None:
+            return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
+                                       preferred_element_type=preferred_element_type)
+        from mixprec.jax.fp8.binding import recipe_dot
+
+        return recipe_dot(self, lhs, rhs, dimension_numbers, name, precision, preferred_element_type)
+
+    def matmul(self, x: Any, w: Any, *, name: str | None = None) -> Any:
+        """``x @ w`` for a 2-D ``w`` (a dense layer's kernel), through ``dot_general``."""
+        if jnp.ndim(w) != 2 or jnp.ndim(x) < 1:
+            raise ValueError(f"recipe.matmul multiplies x (..., K) by a kernel (K, N); got shapes {jnp.shape(x)} and "
+                             f"{jnp.shape(w)} (use recipe.dot_general for other contractions)")
+        return self.dot_general(x, w, (((jnp.ndim(x) - 1,), (0,)), ((), ())), name=name)
 
     @property
     def is_mixed(self) -> bool:
@@ -157,7 +189,18 @@ def get_recipe(name: str | JaxRecipe) -> JaxRecipe:
         # the jmp string read by jmp's rules: 'half' is bf16 on TPU, and then needs no loss scale
         policy = get_policy(name)
         loss_scaling = "dynamic" if jnp.dtype(policy.compute_dtype) == jnp.float16 else "none"
+    fp8: dict[str, Any] = {}
+    if torch_recipe.fp8 is not None:
+        from mixprec.jax.fp8.casts import Fp8Config
+
+        spec = torch_recipe.fp8
+        try:
+            fp8 = {"fp8": Fp8Config.from_spec(spec), "fp8_skip_first_last": bool(spec.skip_first_last),
+                   "fp8_exclude": tuple(spec.exclude)}
+        except ValueError as e:
+            raise ValueError(f"recipe {torch_recipe.name!r}: {e}") from None
     return JaxRecipe(
+        **fp8,
         name=torch_recipe.name,
         policy=policy,
         loss_scaling=loss_scaling,
