@@ -123,7 +123,7 @@ class Fp8Training:
         decisions = swap(model, spec, device)
         state = cls(spec, model, decisions, backend_for(spec, device))
         if not state.layers:
-            why = "; ".join(f"{d.name}: {d.reason}" for d in decisions[:6]) or "it has no nn.Linear or Conv1D at all"
+            why = "; ".join(f"{d.name or '(model)'}: {d.reason}" for d in decisions[:6]) or "it has no nn.Linear or Conv1D at all"
             widen = "" if not decisions else (" To widen the rules, pass fp8={'exclude': ()} or fp8={'skip_first_last': "
                                               "False} (which also puts the first and last layers in fp8).")
             raise Fp8Error(f"recipe {recipe!r}: no layer of this model would compute in fp8 ({why}), so it would train "
