@@ -22,8 +22,8 @@ CHOICES = {"scaling": ("delayed", "current", "none"), "format": ("hybrid", "e4m3
            "granularity": ("tensorwise", "rowwise"), "amax_compute_algo": ("max", "most_recent"),
            "gemm": ("auto", "emulate", "scaled_mm")}
 #: the fields only delayed scaling reads, and their defaults (TE's)
-DELAYED_ONLY = {"amax_history_len": 1024, "amax_compute_algo": "max", "margin": 0}
-BOOLS = ("pow2_scales", "skip_first_last")
+DELAYED_ONLY = {"amax_history_len": 1024, "amax_compute_algo": "max", "margin": 0, "reduce_amax": True}
+BOOLS = ("pow2_scales", "skip_first_last", "reduce_amax")
 
 
 def max_margin() -> int:

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from mixprec.fp8 import delayed
+from mixprec.fp8.dist import amax_group, buffer_names, reduce_amax_
 from mixprec.fp8.options import check_options
 from mixprec.fp8.swap import Decision, backend_for, fp8_layers, swap
 
@@ -147,11 +148,21 @@ class Fp8Training:
     def delayed(self) -> bool:
         return self.spec.scaling == "delayed"
 
-    def after_step(self, skipped: torch.Tensor | None) -> None:
-        """The optimizer step is done (or was skipped: ``skipped`` True): advance delayed scaling."""
+    def after_step(self, skipped: torch.Tensor | None, parallel: Any = None) -> None:
+        """The optimizer step is done (or was skipped: ``skipped`` True): advance delayed scaling, the
+        current amaxes first reduced over the data-parallel ranks (``mixprec.fp8.dist``)."""
         if self.delayed and self.layers:
-            delayed.update([m.fp8_amax_history for _, m in self.layers], [m.fp8_scale for _, m in self.layers],
-                           self._formats, self.spec.amax_compute_algo, self.spec.margin, skipped)
+            histories = [m.fp8_amax_history for _, m in self.layers]
+            if self.spec.reduce_amax:
+                ranks, group = amax_group(parallel)
+                if ranks:
+                    reduce_amax_(histories, group)
+            delayed.update(histories, [m.fp8_scale for _, m in self.layers], self._formats,
+                           self.spec.amax_compute_algo, self.spec.margin, skipped)
+
+    def buffer_names(self) -> list[str]:
+        """The scaling buffers' qualified names in the model (kept out of DDP's broadcast)."""
+        return buffer_names(self.model)
 
     def scales(self) -> dict[str, torch.Tensor]:
         """Delayed scaling's current scales per layer (input, weight, grad_output); empty otherwise."""
