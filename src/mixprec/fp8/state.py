@@ -38,6 +38,8 @@ def describe_spec(spec: Any, backend: str | None = None) -> str:
     fmt = "HYBRID (e4m3 fwd, e5m2 grads)" if spec.format == "hybrid" else "E4M3 (gradients too)"
     if spec.scaling == "delayed":
         how = f"delayed scaling, amax history {spec.amax_history_len} ({spec.amax_compute_algo}), margin {spec.margin}"
+    elif spec.granularity == "mx":
+        how = "MXFP8 block scaling (a power-of-two e8m0 scale per 32 elements, rounded up: rceil)"
     elif spec.scaling == "current":
         how = f"current scaling ({spec.granularity})"
     else:
