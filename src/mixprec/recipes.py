@@ -57,6 +57,7 @@ class Fp8Spec:
     amax_history_len: int = 1024
     amax_compute_algo: str = "max"
     margin: int = 0
+    reduce_amax: bool = True  # delayed: all-reduce the amaxes over the data-parallel ranks each step (TE's)
     pow2_scales: bool = False
     skip_first_last: bool = True
     exclude: tuple[str, ...] = ()

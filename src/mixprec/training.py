@@ -374,7 +374,7 @@ class MixedPrecision:
         else:
             scale, skipped = self._constants()
         if self.fp8 is not None:  # delayed scaling's history advances, unless the step was skipped
-            self.fp8.after_step(scaler.last_skipped if scaler._enabled else None)
+            self.fp8.after_step(scaler.last_skipped if scaler._enabled else None, self._dist)
         loss = torch.full((), float("nan"), device=self.device) if loss is None else loss
         if self._dist is not None:  # the step is done on this rank
             self._dist.stepped()

@@ -369,14 +369,10 @@ class NanGuard:
             self._warned.add(key)
             warnings.warn(ev.describe(), NonFiniteWarning, stacklevel=2)
 
-    def _check_fp8(self) -> None:
+    def _check_fp8(self) -> None:  # every event recorded; what matters warned about once per window (fp8_watch)
         step = self._sentinel.forward_calls if self._sentinel is not None else self._tracer.forward_calls
-        for sat in self._fp8.take(step):  # type: ignore[union-attr]
-            if len(self.fp8_saturations) < self.max_events:
-                self.fp8_saturations.append(sat)
-            if self.mode != "record" and (sat.layer, sat.role) not in self._warned:
-                self._warned.add((sat.layer, sat.role))
-                warnings.warn(sat.describe(), Fp8SaturationWarning, stacklevel=3)
+        sats = self._fp8.take(step, warn=self.mode != "record")  # type: ignore[union-attr]
+        self.fp8_saturations += sats[: max(self.max_events - len(self.fp8_saturations), 0)]
 
     # ------------------------------------------------------------------ on-fault mode
 

@@ -65,8 +65,8 @@ def fp32_modules(model: nn.Module, recipe: Recipe, fp32_params: Any) -> set[str]
             continue
         if any(i == "" or name == i or name.startswith(i + ".") for i in islands):
             out.add(name)
-        elif isinstance(module, MATMUL_MODULES):
-            continue
+        elif isinstance(module, MATMUL_MODULES) and getattr(module, "fp8_config", None) is None:
+            continue  # (an fp8 layer casts its fp32 weight itself: gathered in bf16, it would be rounded twice)
         elif not recipe.stores_16bit or any((f"{name}.{local}" if name else local) in kept for local, _ in own):
             out.add(name)
     return out

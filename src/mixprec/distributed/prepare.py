@@ -143,6 +143,7 @@ def signature(mp: Local, model: nn.Module, cfg: DDP | FSDP) -> dict[str, str]:
         "loss scaler": scaling,
         "accumulate": str(mp.accumulate),
         "fp32_modules": repr([getattr(r, "__name__", r) for r in mp.fp32_modules]),
+        "fp8 options": repr(mp.fp8_spec),
         "parallel": _describe(cfg),
         "device type": mp.device.type,
         "model": f"{n:,} parameters in {count} tensors (shapes {shapes.hexdigest()[:12]})",

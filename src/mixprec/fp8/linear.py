@@ -40,7 +40,7 @@ class Fp8Config:
 
     Attributes: ``formats`` (input, weight, grad_output), ``scaling`` ("delayed", "current" or
     "none"), ``rowwise``, ``pow2`` (scales rounded down to powers of two), ``backend`` ("emulate"
-    or "scaled_mm").
+    or "scaled_mm"), ``mx`` (MXFP8 block scaling, ``mixprec.fp8.mx``, with ``mx_mode``).
     """
 
     formats: tuple[FloatFormat, FloatFormat, FloatFormat]
@@ -48,10 +48,13 @@ class Fp8Config:
     rowwise: bool = False
     pow2: bool = False
     backend: str = "emulate"
+    mx: bool = False
+    mx_mode: str = "rceil"
 
     @classmethod
     def from_spec(cls, spec: Any, backend: str) -> "Fp8Config":
-        return cls(role_formats(spec.format), spec.scaling, spec.granularity == "rowwise", spec.pow2_scales, backend)
+        return cls(role_formats(spec.format), spec.scaling, spec.granularity == "rowwise", spec.pow2_scales, backend,
+                   spec.granularity == "mx")
 
     def scale(self, t: torch.Tensor, role: int, dim: int | None, delayed: torch.Tensor | None) -> torch.Tensor:
         """The scale that casts ``t`` in ``role``: computed from ``t`` (current scaling, along ``dim``
@@ -165,7 +168,12 @@ class Fp8Matmul:
                 history = self.fp8_amax_history
                 record_(history, slice(0, 2), torch.stack((amax_fmax(x), amax_fmax(weight))))
         with torch.autocast(device, enabled=False):
-            out = _Fp8LinearFn.apply(x, weight, scales, history, cfg, self.fp8_observers)
+            if cfg.mx:  # block scaling: its own GEMMs (mixprec.fp8.mx)
+                from mixprec.fp8.mx import MxLinearFn
+
+                out = MxLinearFn.apply(x, weight, cfg, self.fp8_observers)
+            else:
+                out = _Fp8LinearFn.apply(x, weight, scales, history, cfg, self.fp8_observers)
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)
         return out
@@ -173,7 +181,7 @@ class Fp8Matmul:
     def fp8_repr(self) -> str:
         c = self.fp8_config
         fmts = "/".join(f.name for f in c.formats)
-        return f"fp8={c.scaling}{' rowwise' if c.rowwise else ''} {fmts} ({c.backend})"
+        return f"fp8={c.scaling}{' rowwise' if c.rowwise else ' mx' if c.mx else ''} {fmts} ({c.backend})"
 
 
 class Fp8Linear(Fp8Matmul, nn.Linear):

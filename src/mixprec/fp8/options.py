@@ -19,11 +19,11 @@ from mixprec.formats import get_format
 
 #: the allowed values of the choice fields
 CHOICES = {"scaling": ("delayed", "current", "none"), "format": ("hybrid", "e4m3"),
-           "granularity": ("tensorwise", "rowwise"), "amax_compute_algo": ("max", "most_recent"),
+           "granularity": ("tensorwise", "rowwise", "mx"), "amax_compute_algo": ("max", "most_recent"),
            "gemm": ("auto", "emulate", "scaled_mm")}
 #: the fields only delayed scaling reads, and their defaults (TE's)
-DELAYED_ONLY = {"amax_history_len": 1024, "amax_compute_algo": "max", "margin": 0}
-BOOLS = ("pow2_scales", "skip_first_last")
+DELAYED_ONLY = {"amax_history_len": 1024, "amax_compute_algo": "max", "margin": 0, "reduce_amax": True}
+BOOLS = ("pow2_scales", "skip_first_last", "reduce_amax")
 
 
 def max_margin() -> int:
@@ -61,6 +61,10 @@ def check_spec(spec: Any) -> None:
     if spec.granularity == "rowwise" and spec.scaling != "current":
         raise ValueError(f"fp8 rowwise scaling needs scaling='current' (a scale per row of the tensor being "
                          f"cast), not {spec.scaling!r}")
+    if spec.granularity == "mx" and (spec.scaling != "current" or spec.pow2_scales):
+        raise ValueError(f"fp8 granularity='mx' (MXFP8: a power-of-two scale per 32-element block, from the block "
+                         f"itself) needs scaling='current' and no pow2_scales (its scales are powers of two "
+                         f"already), not scaling={spec.scaling!r}, pow2_scales={spec.pow2_scales!r}")
     if isinstance(spec.exclude, str) or not all(isinstance(e, str) for e in spec.exclude):
         raise TypeError(f"fp8 exclude must be a tuple of glob patterns (strings), got {spec.exclude!r}")
 

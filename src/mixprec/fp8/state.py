@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from mixprec.fp8 import delayed
+from mixprec.fp8.dist import amax_group, buffer_names, reduce_amax_
 from mixprec.fp8.options import check_options
 from mixprec.fp8.swap import Decision, backend_for, fp8_layers, swap
 
@@ -37,6 +38,8 @@ def describe_spec(spec: Any, backend: str | None = None) -> str:
     fmt = "HYBRID (e4m3 fwd, e5m2 grads)" if spec.format == "hybrid" else "E4M3 (gradients too)"
     if spec.scaling == "delayed":
         how = f"delayed scaling, amax history {spec.amax_history_len} ({spec.amax_compute_algo}), margin {spec.margin}"
+    elif spec.granularity == "mx":
+        how = "MXFP8 block scaling (a power-of-two e8m0 scale per 32 elements, rounded up: rceil)"
     elif spec.scaling == "current":
         how = f"current scaling ({spec.granularity})"
     else:
@@ -123,7 +126,7 @@ class Fp8Training:
         decisions = swap(model, spec, device)
         state = cls(spec, model, decisions, backend_for(spec, device))
         if not state.layers:
-            why = "; ".join(f"{d.name}: {d.reason}" for d in decisions[:6]) or "it has no nn.Linear or Conv1D at all"
+            why = "; ".join(f"{d.name or '(model)'}: {d.reason}" for d in decisions[:6]) or "it has no nn.Linear or Conv1D at all"
             widen = "" if not decisions else (" To widen the rules, pass fp8={'exclude': ()} or fp8={'skip_first_last': "
                                               "False} (which also puts the first and last layers in fp8).")
             raise Fp8Error(f"recipe {recipe!r}: no layer of this model would compute in fp8 ({why}), so it would train "
@@ -147,11 +150,21 @@ class Fp8Training:
     def delayed(self) -> bool:
         return self.spec.scaling == "delayed"
 
-    def after_step(self, skipped: torch.Tensor | None) -> None:
-        """The optimizer step is done (or was skipped: ``skipped`` True): advance delayed scaling."""
+    def after_step(self, skipped: torch.Tensor | None, parallel: Any = None) -> None:
+        """The optimizer step is done (or was skipped: ``skipped`` True): advance delayed scaling, the
+        current amaxes first reduced over the data-parallel ranks (``mixprec.fp8.dist``)."""
         if self.delayed and self.layers:
-            delayed.update([m.fp8_amax_history for _, m in self.layers], [m.fp8_scale for _, m in self.layers],
-                           self._formats, self.spec.amax_compute_algo, self.spec.margin, skipped)
+            histories = [m.fp8_amax_history for _, m in self.layers]
+            if self.spec.reduce_amax:
+                ranks, group = amax_group(parallel)
+                if ranks:
+                    reduce_amax_(histories, group)
+            delayed.update(histories, [m.fp8_scale for _, m in self.layers], self._formats,
+                           self.spec.amax_compute_algo, self.spec.margin, skipped)
+
+    def buffer_names(self) -> list[str]:
+        """The scaling buffers' qualified names in the model (kept out of DDP's broadcast)."""
+        return buffer_names(self.model)
 
     def scales(self) -> dict[str, torch.Tensor]:
         """Delayed scaling's current scales per layer (input, weight, grad_output); empty otherwise."""

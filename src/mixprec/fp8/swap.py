@@ -9,7 +9,8 @@ matmul with a transposed weight, ``mixprec.fp8.conv1d``). The rules, in the orde
 2. a layer that is an fp32 island stays fp32 (``fp32_modules=``);
 3. a glob of ``Fp8Spec.exclude`` on the qualified name keeps it bf16 (a glob that matches no
    candidate is refused: a typo would otherwise pass silently);
-4. ``in_features`` and ``out_features`` must both be multiples of 16 (what fp8 GEMMs need);
+4. ``in_features`` and ``out_features`` must both be multiples of 16 (what fp8 GEMMs need; 32 for
+   MXFP8 block scaling, whose blocks are 32 long);
 5. with ``Fp8Spec.skip_first_last`` (the default), the model's first and last candidate (in
    ``model.named_modules()`` order) and an LM head (a layer named ``lm_head``, or whose weight is
    an embedding's) stay bf16: torchao's advice, as the first and last layers are the most sensitive;
@@ -33,6 +34,7 @@ from mixprec.fp8 import conv1d
 from mixprec.fp8.linear import Fp8Config, Fp8Linear, Fp8Matmul
 
 MULTIPLE = 16
+MX_MULTIPLE = 32  # MXFP8: every reduction axis cut into 32-element blocks
 ISLAND = "an fp32 island"
 LM_HEAD = "the LM head (torchao keeps it in bf16)"
 _BUFFERS = ("fp8_amax_history", "fp8_scale")
@@ -85,6 +87,7 @@ def decide(model: nn.Module, spec: Any) -> list[Decision]:
         raise ValueError(f"fp8 exclude pattern(s) {unmatched} match no nn.Linear or Conv1D of {type(model).__name__}; "
                          f"they are globs on the layers' qualified names, which are {names[:8]}"
                          f"{' ...' if len(names) > 8 else ''} (e.g. 'blocks.0.*' for a whole block)")
+    multiple, what = (MX_MULTIPLE, "MXFP8") if spec.granularity == "mx" else (MULTIPLE, "fp8")
     plain = [n for n, m in layers if _plain(m)]
     ends = {plain[0]: "first", plain[-1]: "last"} if plain else {}
     tied = _embedding_weights(model)
@@ -100,8 +103,8 @@ def decide(model: nn.Module, spec: Any) -> list[Decision]:
             reason = ISLAND
         elif any(fnmatch.fnmatchcase(name, pat) for pat in spec.exclude):
             reason = f"excluded by {next(p for p in spec.exclude if fnmatch.fnmatchcase(name, p))!r}"
-        elif n_in % MULTIPLE or n_out % MULTIPLE:
-            reason = f"{n_in}x{n_out}: fp8 GEMMs need both dims multiples of {MULTIPLE}"
+        elif n_in % multiple or n_out % multiple:
+            reason = f"{n_in}x{n_out}: {what} GEMMs need both dims multiples of {multiple}"
         elif spec.skip_first_last and head:
             reason = LM_HEAD
         elif spec.skip_first_last and name in ends:
@@ -117,7 +120,15 @@ def backend_for(spec: Any, device: torch.device) -> str:
     """The GEMM backend ``spec.gemm`` means on ``device``: fp8 GEMMs where the device has them
     (CUDA sm89+: Ada, Hopper and later), else the emulation. Raises when ``scaled_mm`` is asked of a
     GPU without fp8 GEMMs."""
-    has_fp8 = device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(device) >= (8, 9)
+    cuda = device.type == "cuda" and torch.cuda.is_available()
+    if spec.granularity == "mx":  # block-scaled fp8 GEMMs: Blackwell's tensor cores (sm100+)
+        has_mx = cuda and torch.cuda.get_device_capability(device) >= (10, 0)
+        if spec.gemm == "scaled_mm" and not has_mx:
+            where = torch.cuda.get_device_name(device) if cuda else f"the {device.type} device"
+            raise RuntimeError(f"fp8 granularity='mx' with gemm='scaled_mm' needs block-scaled fp8 GEMMs (CUDA sm100+: "
+                               f"Blackwell); {where} has none. Use gemm='emulate' (or 'auto').")
+        return "scaled_mm" if has_mx and spec.gemm != "emulate" else "emulate"
+    has_fp8 = cuda and torch.cuda.get_device_capability(device) >= (8, 9)
     if spec.gemm == "auto":
         return "scaled_mm" if has_fp8 else "emulate"
     if spec.gemm == "scaled_mm" and device.type == "cuda" and not has_fp8:

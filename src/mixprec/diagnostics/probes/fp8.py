@@ -25,6 +25,10 @@ from mixprec.fp8 import CastObserver, CastStats, fp8_layers, preserve_scaling_st
 #: the gates doctor applies (torchao's numerics tests ask 25 dB of a cast, 20 dB of a linear's output
 #: and gradients); below ``ALARM_DB`` most of a tensor is lost, as with an unscaled e4m3 gradient
 WARN_DB, ALARM_DB = 20.0, 10.0
+#: a flushed population, judged apart from SQNR (a healthy fp8-current or fp8-delayed cast flushes 0%;
+#: after a spike a delayed input scale 2660x too small flushed 1.5-1.9% each step at 31 dB SQNR; an
+#: unscaled e4m3 gradient flushes 99%): ``CastStats.flushed_fraction`` at or past these
+FLUSH_WARN, FLUSH_ALARM = 1e-3, 1e-2
 
 
 def probe_fp8_casts(model: nn.Module, closure: Callable[[], torch.Tensor],
@@ -49,3 +53,18 @@ def probe_fp8_casts(model: nn.Module, closure: Callable[[], torch.Tensor],
 def worst(stats: list[CastStats], n: int = 5) -> list[CastStats]:
     """The ``n`` casts with the lowest SQNR (NaN first: a NaN never passes)."""
     return sorted(stats, key=lambda c: (c.sqnr_db == c.sqnr_db, c.sqnr_db))[:n]
+
+
+def status(c: CastStats) -> str:
+    """``"alarm"``, ``"warn"`` or ``"ok"`` for one cast: its SQNR against ``ALARM_DB`` / ``WARN_DB``, its
+    flushed population against ``FLUSH_ALARM`` / ``FLUSH_WARN`` (whatever the SQNR), any saturation a warning."""
+    if not c.sqnr_db >= ALARM_DB or c.flushed_fraction >= FLUSH_ALARM:  # (a NaN SQNR is an alarm)
+        return "alarm"
+    if c.sqnr_db < WARN_DB or c.flushed_fraction >= FLUSH_WARN or c.saturated:
+        return "warn"
+    return "ok"
+
+
+def flushing(stats: list[CastStats], threshold: float = FLUSH_WARN) -> list[CastStats]:
+    """The casts that flush at least ``threshold`` of their nonzero values to zero, most first."""
+    return sorted((c for c in stats if c.flushed_fraction >= threshold), key=lambda c: -c.flushed_fraction)
