@@ -4,6 +4,7 @@ through fabric.save/load, and clear refusals."""
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import pytest
@@ -53,6 +54,7 @@ def fabric_run(precision, data, *, clip=None, accumulate=1, epochs=1, connect=Fa
         sched.step()
         stats.append(precision.last_stats.to_dict())
         if norm is not None:
+            stats[-1]["plugin_grad_norm"] = stats[-1]["grad_norm"]  # what the plugin recorded
             stats[-1]["grad_norm"] = float(norm)
         if steps is not None and len(stats) == steps:
             break
@@ -87,6 +89,27 @@ def test_fp16_overflow_skips_the_step_and_holds_the_scheduler():
     assert [s["scale"] for s in stats] == [s["scale"] for s in ref_steps]
     assert sched.last_epoch == ref_sched.last_epoch < 30  # skipped steps did not advance it
     assert params_equal(model.module, ref)
+
+
+@pytest.mark.parametrize("options", [{}, {"track_grad_norm": True}, {"scaler": {"hysteresis": 2}}])
+def test_the_documented_loop_with_fabric_clip_gradients_survives_an_overflow(options):
+    # issue 29.4: fabric.clip_gradients runs torch's clip with error_if_nonfinite=True (its default), so the
+    # step the scaler was about to skip raised "The total norm of order 2.0 for gradients ... is non-finite"
+    data = make_data(overflow_at=(3, 11))
+    precision = MixprecFabricPrecision("fp16-mixed", device="cpu", **options)
+    model, _, sched, losses, stats = fabric_run(precision, data, clip=1.0)
+    ref_options = {"scaler": options["scaler"]} if "scaler" in options else {}
+    ref, ref_steps, ref_sched = hand_loop("fp16-mixed", *data, max_grad_norm=1.0, **ref_options)
+    assert len(stats) == 30 and stats[3]["skipped"] and stats[11]["skipped"]
+    assert [s["skipped"] for s in stats] == [s["skipped"] for s in ref_steps]
+    assert [s["scale"] for s in stats] == [s["scale"] for s in ref_steps]
+    taken = [i for i, s in enumerate(stats) if not s["skipped"]]  # the norms Fabric returned on taken steps
+    assert [stats[i]["grad_norm"] for i in taken] == [ref_steps[i]["grad_norm"] for i in taken]
+    assert all(stats[i]["grad_norm"] == 0.0 for i in range(30) if i not in taken)  # (zeroed: skipped anyway)
+    if options.get("track_grad_norm"):  # what the plugin records is the true norm: inf on a skipped step
+        got, want = [s["plugin_grad_norm"] for s in stats], [s["grad_norm"] for s in ref_steps]
+        assert bitwise(torch.tensor(got), torch.tensor(want)) and not math.isfinite(got[3])
+    assert params_equal(model.module, ref) and sched.last_epoch == ref_sched.last_epoch
 
 
 @pytest.mark.parametrize("recipe", ["fp16-mixed", "bf16-true"])

@@ -131,6 +131,31 @@ def test_resume_from_a_checkpoint_continues_bitwise(tmp_path):
     assert resumed.mp.scaler.get_scale() == straight.mp.scaler.get_scale()
 
 
+class _SeenArgs(transformers.TrainerCallback):
+    """What a logger integration reads: the arguments handed to every callback."""
+
+    def __init__(self) -> None:
+        self.max_grad_norms: list[float] = []
+
+    def on_log(self, args, state, control, **kwargs):
+        self.max_grad_norms.append(args.max_grad_norm)
+
+
+@pytest.mark.parametrize("clip", [1.0, 0.0])
+def test_the_max_grad_norm_recorded_is_the_one_applied(tmp_path, clip):
+    # issue 29.6: training_args.bin and the loggers said max_grad_norm=0.0 while mixprec clipped at 1.0
+    seen = _SeenArgs()
+    args = training_args(tmp_path, max_steps=3, save_strategy="steps", save_steps=3, max_grad_norm=clip)
+    trainer = MixprecTrainer(model=tiny_gpt2(), args=args, train_dataset=Tokens(), mixprec="bf16-true",
+                             callbacks=[seen])
+    trainer.train()
+    assert trainer.args.max_grad_norm == clip and args.max_grad_norm == clip
+    saved = torch.load(tmp_path / "checkpoint-3" / "training_args.bin", weights_only=False)
+    assert saved.max_grad_norm == clip
+    assert seen.max_grad_norms and set(seen.max_grad_norms) == {clip}
+    assert trainer.last_stats.grad_norm is not None  # mixprec measured (and, with clip > 0, clipped) it
+
+
 # ---------------------------------------------------------------- refusals
 
 

@@ -25,7 +25,8 @@ At Fabric's hooks it does what ``mp.step`` does in a hand-written loop, in the s
 - ``forward_context`` (the model Fabric returns, ``fabric.autocast()``): ``mp.autocast()``;
 - ``backward`` (``fabric.backward``): the loss scaled by mixprec's scaler;
 - ``unscale_gradients`` (``fabric.clip_gradients``): the window's end, unscale and the inf
-  check, once per step;
+  check, once per step; on a step the scaler will skip, the gradients are zeroed, so that
+  Fabric's clip (``error_if_nonfinite=True`` by default) does not raise on the routine overflow;
 - ``optimizer_step`` (``optimizer.step()``): step or skip, scale update, write-back; its
   ``StepStats`` is ``precision.last_stats``.
 
@@ -174,7 +175,25 @@ class MixprecFabricPrecision(FabricPrecision):
         self._ready, self._grad_norm = True, None
 
     def unscale_gradients(self, optimizer: Any) -> None:
-        self._prepare_step(_unwrap(optimizer))
+        """``fabric.clip_gradients``: unscale, then (with a loss scaler) make a step the scaler will
+        skip clip without raising. Fabric runs torch's clip next with ``error_if_nonfinite=True``
+        (its default), which raised on the routine overflow; so the gradients of a step whose inf
+        check failed are zeroed on the device (no host sync; the step is skipped whatever they hold)
+        and Fabric returns a norm of 0 for it. ``precision.last_stats`` keeps the true norm (inf)
+        with ``track_grad_norm=True``."""
+        optimizer = _unwrap(optimizer)
+        self._prepare_step(optimizer)
+        scaler = self.mp.scaler
+        if not scaler.is_enabled() or self.mp.masters is not None:  # (storage recipes clip with clip_grad_norm_)
+            return
+        if self.mp.track_grad_norm and self._grad_norm is None:
+            self._grad_norm = self.mp.clip_grad_norm_([optimizer], None)  # measured before the zeroing
+        found = sum(f.to(scaler._scale.device) for f in scaler._found_inf_per_device(optimizer).values())
+        skip = found > 0  # a 0-d bool on the device
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad.masked_fill_(skip.to(p.grad.device), 0.0)
 
     def main_params(self, optimizer: Any) -> Any:
         optimizer = _unwrap(optimizer)

@@ -17,8 +17,9 @@ methods (``MixprecTrainerMixin`` holds them, for your own ``Trainer`` subclass:
   what the Trainer logs, stays unscaled);
 - ``training_step``: after the backward, 16-bit gradients onto the fp32 masters; at the end of
   the accumulation window, unscale and clip to ``args.max_grad_norm`` (on the unscaled, fp32
-  master gradients: mixprec clips, so the Trainer's own clip is turned off in its copy of
-  ``args`` and its ``grad_norm`` log entry is mixprec's norm before clipping);
+  master gradients). mixprec clips, so the Trainer's ``_clip_grad_norm`` / ``_get_grad_norm``
+  hand back mixprec's norm before clipping instead of clipping again; ``args`` stay as given, so
+  ``training_args.bin`` and every logger record the ``max_grad_norm`` that was applied;
 - ``create_optimizer``: the optimizer the Trainer builds (or yours, from ``optimizers=``) is moved
   onto the fp32 masters of a 16-bit storage recipe, and its ``step()`` becomes mixprec's: step
   or skip, scale update, write-back;
@@ -36,7 +37,6 @@ Tested with transformers 5.24 and accelerate 1.15 on one device.
 
 from __future__ import annotations
 
-import copy
 import os
 from typing import Any
 
@@ -170,15 +170,15 @@ class MixprecTrainerMixin:
     def __init__(self, *args: Any, mixprec: str | Recipe | MixedPrecision = "auto",
                  mixprec_options: dict[str, Any] | None = None, check_version: bool = True, **kwargs: Any) -> None:
         check_versions(check_version)
+        if not all(callable(getattr(Trainer, n, None)) for n in ("_clip_grad_norm", "_get_grad_norm")):
+            raise RuntimeError(  # (a release outside the tested range, with check_version=False)
+                "this transformers' Trainer has no _clip_grad_norm/_get_grad_norm, through which MixprecTrainer "
+                "clips once (mixprec's clip on the fp32 master gradients); use transformers "
+                f"{TESTED_TRANSFORMERS[0]}+ (below {TESTED_TRANSFORMERS[1]})")
         args, kwargs, targs = _with_training_args(args, kwargs)
         _refuse_args(targs)
         self._max_grad_norm = float(targs.max_grad_norm or 0.0)
-        mine = copy.copy(targs)  # mixprec clips: the Trainer's clip is off in its copy, not the caller's
-        mine.max_grad_norm = 0.0
-        if "args" in kwargs:
-            kwargs["args"] = mine
-        else:
-            args = (args[0], mine, *args[2:])
+        mine = targs
         if kwargs.get("model_init") is not None:
             raise ValueError("MixprecTrainer needs model=: model_init (hyperparameter search) builds models "
                              "it has not prepared")
@@ -243,6 +243,14 @@ class MixprecTrainerMixin:
             self.mp.unscale_(opts)
             self._grad_norm = self.mp.clip_grad_norm_(opts, self._max_grad_norm or None)
         return loss
+
+    def _clip_grad_norm(self, model: Any) -> Any:
+        """The Trainer's clip, at the window's end: mixprec clipped in ``training_step`` (once, on the
+        unscaled master gradients); this hands back its norm before clipping."""
+        return self._grad_norm
+
+    def _get_grad_norm(self, model: Any, grad_norm: Any = None) -> Any:
+        return self._grad_norm if grad_norm is None else grad_norm  # (no second norm over the model)
 
     # ------------------------------------------------------------------ optimizer and scheduler
 
