@@ -196,3 +196,25 @@ def make_unstable_task(steps: int = 40, lr: float = 5.0) -> Task:
         max_grad_norm=None,
         description=f"SGD lr {lr:g} with momentum, no clipping: fp32 itself blows up",
     )
+
+
+def make_loss16_task(steps: int = 40, size: float = 300.0) -> Task:
+    """A regression whose targets are ~``size`` (prices, counts) and whose loss casts the targets to
+    the output's dtype, a common way to silence a dtype mismatch. Under a policy that hands the
+    loss 16-bit outputs (jmp's ``p=f32,c=f16``: the output defaults to the compute dtype), the
+    squared errors (~1e5 at the start) pass 65504 and the mean is inf in fp16."""
+
+    def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = _regression_batch(step, 16, 4)
+        return x, size * (1 + y)
+
+    return Task(
+        name="planted-loss-in-16-bits",
+        build_model=lambda: nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4)),
+        get_batch=batch,
+        loss_fn=lambda out, y: nn.functional.mse_loss(out, y.to(out.dtype)),
+        build_optimizer=lambda p: torch.optim.Adam(p, lr=3e-2),
+        steps=steps,
+        max_grad_norm=1.0,
+        description=f"regression to targets ~{size:g}, the loss in the output's dtype",
+    )

@@ -250,7 +250,8 @@ def _ask(ev: Evaluator, rec: Recipe, cap: Capture, sets: list[frozenset[str]], s
 def _entry_lines(cap: Capture) -> list[str]:
     u = cap.unit_roundoff
     entry = cap.entry_points()
-    lines = []
+    lines = [f"the loss itself made a non-finite value from finite model outputs (in {cap.loss_dtype})"] \
+        if cap.loss_made_nonfinite else []
     for m in entry[:4] or cap.ranked()[:3]:
         how = "makes a non-finite value from fp32's finite input" if m.made_nonfinite else \
             f"adds {m.score:.2g} relative error by itself ({m.score / u:.3g} u, u = {u:.3g} in {cap.compute})"
@@ -258,7 +259,8 @@ def _entry_lines(cap: Capture) -> list[str]:
             how += "; its backward overflowed at the loss scale"
         lines.append(f"{m.label} ({m.type}) {how}")
     if not entry:
-        lines.insert(0, f"no module adds more than 16 u by itself (u = {u:.3g}); the largest:")
+        lines.insert(len(lines) - min(3, len(cap.ranked())), f"no module adds more than 16 u by itself (u = {u:.3g}); "
+                     "the largest:")
     return lines
 
 
@@ -303,18 +305,30 @@ def _choose_fix(e: Explanation, ev: Evaluator, task: Task, rec: Recipe, dev: Any
                              mp_options=c.mp_options, stop=BandWatch(comparison.band, c.change))
             e.runs += 1
             e.steps_trained += run.steps
-        verdict = judge(run, comparison.band)
+        verdict = o.full = judge(run, comparison.band)
         say(f"  [fix] {c.change}: {verdict.status} over {run.steps} steps")
+        if not verdict.ok:
+            _note_partial(e, o, verdict)
         if verdict.ok:
             e.fix = Fix(o, c.code(rec), verdict, run, run.median_step_s / recipe_step,
                         run.median_step_s / comparison.fp32_step_s)
             break
     best = {}
-    for o in tracking:
-        if e.fix is not None and o is e.fix.outcome:
+    for o in tracking:  # one per kind of change; none that failed over all the steps
+        if (e.fix is not None and o is e.fix.outcome) or (o.full is not None and not o.full.ok):
             continue
         best.setdefault(o.candidate.hypothesis, o)
     e.alternatives = list(best.values())
+
+
+def _note_partial(e: Explanation, o: Outcome, full: Verdict) -> None:
+    """A change that tracked on the short horizon and not over all the steps removed a cause, not
+    every one: its finding says so."""
+    for f in e.findings:
+        if o in f.outcomes:
+            f.conclusion += (f"; but over all {e.steps} steps {o.candidate.change} {full.status}"
+                             + (f" from step {full.first_step}" if full.first_step else "") + ": it removes a cause, "
+                             "not every one")
 
 
 def _summary(e: Explanation, rec: Recipe) -> str:

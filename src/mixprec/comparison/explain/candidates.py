@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import multiprocessing
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -28,7 +27,7 @@ import torch
 from mixprec.comparison.runner import RunResult, run_recipe
 from mixprec.comparison.verdict import Band, Verdict, judge
 from mixprec.recipes import Recipe, list_recipes
-from mixprec.tasks import Task, TaskError, load_task
+from mixprec.tasks import Task, TaskError
 
 #: How much a change departs from the recipe, smallest first: the fix is the first that tracks.
 PREFERENCE = {"scale": 0, "loss": 1, "islands": 2, "masters": 3, "format": 4}
@@ -94,8 +93,9 @@ def recipe_expression(recipe: Recipe, base: Recipe) -> str:
     name = registered_name(recipe)
     if name is not None:
         return repr(name)
-    if "=" in recipe.name and recipe == dataclasses.replace(recipe, name=str(recipe.policy)):
-        return repr(str(recipe.policy))  # a jmp policy string
+    policy = _as_policy_string(recipe)
+    if policy is not None:
+        return repr(policy)
     changes = []
     for f in dataclasses.fields(Recipe):
         if f.name in ("name", "description", "reason"):
@@ -109,6 +109,16 @@ def recipe_expression(recipe: Recipe, base: Recipe) -> str:
     if base_name is None:
         return f"dataclasses.replace(recipe, {', '.join(changes)})  # recipe: your {base.name!r}"
     return f"dataclasses.replace({inner}, {', '.join(changes)})"
+
+
+def _as_policy_string(recipe: Recipe) -> str | None:
+    """The jmp policy string that resolves to a recipe training like ``recipe``, if one does."""
+    from mixprec.recipes import resolve_recipe
+
+    try:
+        return str(recipe.policy) if same_recipe(resolve_recipe(str(recipe.policy), "cpu"), recipe) else None
+    except (ValueError, RuntimeError):
+        return None
 
 
 def _policy_or(v: Any) -> str:
@@ -126,6 +136,7 @@ class Outcome:
     run: RunResult | None
     horizon: int
     seconds: float
+    full: Verdict | None = None  # over all the comparison's steps, when it was verified
 
     @property
     def tracks(self) -> bool:
@@ -170,23 +181,11 @@ def train_candidate(task: Task, cand: Candidate, band: Band, horizon: int, devic
         return f"{type(e).__name__}: {e}"
 
 
-_WORKER: dict[str, Any] = {}
-
-
-def _worker_init(spec: Any, kwargs: dict[str, Any], threads: int) -> None:
-    torch.set_num_threads(threads)
-    _WORKER["task"] = load_task(spec, **kwargs)
-
-
-def _worker_run(cand: Candidate, band: Band, horizon: int, device: str, seed: int) -> Any:
-    return train_candidate(_WORKER["task"], cand, band, horizon, device, seed)
-
-
 class Evaluator:
     """Trains candidates on ``horizon`` steps and judges them on ``band`` cut to it (module doc).
 
-    ``jobs`` > 1 starts that many worker processes (spawned, each importing the task from
-    ``spec``, which must then be a ``"module:function"`` name, a built-in name or None).
+    ``jobs`` > 1 starts that many worker processes (``workers.WorkerPool``, each importing the task
+    from ``spec``, which must then be a ``"module:function"`` name, a built-in name or None).
     """
 
     def __init__(self, task: Task, spec: Any, task_kwargs: dict[str, Any], device: torch.device, band: Band,
@@ -201,12 +200,12 @@ class Evaluator:
         self.jobs = jobs
         self.outcomes: list[Outcome] = []
         self._cache: dict[tuple[Recipe, str], Outcome] = {}
-        self._pool: concurrent.futures.ProcessPoolExecutor | None = None
+        self._pool: Any = None
         if jobs > 1:
+            from mixprec.comparison.explain.workers import WorkerPool
+
             per = threads or max(1, (os.cpu_count() or 1) // jobs)
-            self._pool = concurrent.futures.ProcessPoolExecutor(
-                max_workers=jobs, mp_context=multiprocessing.get_context("spawn"),
-                initializer=_worker_init, initargs=(spec, task_kwargs, per))
+            self._pool = WorkerPool(jobs, {"task": spec, "task_kwargs": task_kwargs, "threads": per})
 
     @property
     def runs(self) -> int:
@@ -218,7 +217,7 @@ class Evaluator:
 
     def close(self) -> None:
         if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool.close()
             self._pool = None
 
     def evaluate(self, cands: Sequence[Candidate]) -> list[Outcome]:
@@ -231,13 +230,15 @@ class Evaluator:
                 results[c] = (train_candidate(self.task, c, self.band, self.horizon, self.device, self.seed),
                               time.perf_counter() - t0)
                 self._record(c, *results[c])
-        else:
+        else:  # one thread per job waits on a worker process; the training happens there
             t0 = time.perf_counter()
-            futures = {self._pool.submit(_worker_run, c, self.band, self.horizon, self.device, self.seed): c for c in todo}
-            for f in concurrent.futures.as_completed(futures):
-                c = futures[f]
-                results[c] = (f.result(), time.perf_counter() - t0)
-                self._record(c, *results[c])
+            with concurrent.futures.ThreadPoolExecutor(max_workers=self.jobs) as threads:
+                futures = {threads.submit(self._pool.run, (c, self.band, self.horizon, self.device, self.seed)): c
+                           for c in todo}
+                for f in concurrent.futures.as_completed(futures):
+                    c = futures[f]
+                    results[c] = (f.result(), time.perf_counter() - t0)
+                    self._record(c, *results[c])
         return [self._cache[c.key] for c in cands]
 
     def _record(self, c: Candidate, got: Any, seconds: float) -> None:

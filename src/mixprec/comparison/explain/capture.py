@@ -75,6 +75,7 @@ class ModuleError:
     made_nonfinite: bool = False
     unchanged: bool = True
     unmeasured: str | None = None
+    received_overflow: bool = False  # what it received had already overflowed its dtype (the module before did)
 
     @property
     def label(self) -> str:
@@ -89,12 +90,15 @@ class ModuleError:
     @property
     def score(self) -> float:
         """What it adds by itself (forward or backward): the ranking key. inf when its forward made
-        a non-finite value from finite input; a backward that overflowed at the loss scale counts as
-        a 100% error (below any forward overflow); its output's error when the replay could not run."""
+        a non-finite value from finite input; its output's error when the replay could not run. A
+        backward that overflowed at the loss scale is not counted here (the scaler skips that step
+        and lowers the scale: it is evidence about the scale, ``grad_overflow``)."""
         if self.made_nonfinite:
             return math.inf
-        own = [1.0 if math.isinf(v) else v for v in (self.added, self.grad_added) if v is not None and v == v]
-        return max(own) if own else self.fwd
+        own = [v for v in (self.added, self.grad_added) if v is not None and v == v and not math.isinf(v)]
+        if own:
+            return max(own)
+        return 0.0 if self.received_overflow else self.fwd
 
 @dataclasses.dataclass
 class Capture:
@@ -117,6 +121,8 @@ class Capture:
     notes: list[str]
     wall_s: float
     param_names: list[str] = dataclasses.field(default_factory=list)
+    loss_error: float = 0.0  # the recipe's loss against fp32's, the worst captured step
+    loss_made_nonfinite: bool = False  # non-finite loss from finite model outputs: the loss itself overflowed
 
     def module(self, name: str) -> ModuleError:
         return next(m for m in self.modules if m.name == name)
@@ -147,6 +153,7 @@ class Capture:
             "recipe": self.recipe, "compute": self.compute, "unit_roundoff": self.unit_roundoff, "steps": self.steps,
             "output_dtype": self.output_dtype, "loss_dtype": self.loss_dtype, "scales": self.scales,
             "grad_max": _num(self.grad_max), "fit_scale": self.fit_scale, "flushed": self.flushed,
+            "loss_error": _num(self.loss_error), "loss_made_nonfinite": self.loss_made_nonfinite,
             "reproduced": self.reproduced, "notes": self.notes, "wall_s": self.wall_s,
             "reductions_16bit": [r.to_dict() for r in self.reductions],
             "entry_points": [m.label for m in self.entry_points()],
@@ -229,6 +236,7 @@ def capture(task: Task, recipe: Recipe, device: torch.device, at_steps: Sequence
     first = {"out": "-", "loss": "-"}
     reductions: list[Reduction] = []
     captured: list[int] = []
+    loss_err, made_loss = 0.0, False
     steps = sorted(set(int(s) for s in at_steps))
     try:
         for step in range(steps[-1] + 1):
@@ -266,6 +274,10 @@ def capture(task: Task, recipe: Recipe, device: torch.device, at_steps: Sequence
                     loss_r = task.loss_fn(out_r, targets)
             finally:
                 rec_r.active = False
+            if isinstance(loss_r, torch.Tensor) and loss_r.numel() == 1:
+                loss_err = max(loss_err, rel_error([loss_r.detach().reshape(1)], [loss32.detach().reshape(1)]))
+                made_loss |= (not bool(torch.isfinite(loss_r).all()) and not nonfinite(floats(out_r))
+                              and bool(torch.isfinite(loss32).all()))
             if not captured:
                 reductions = trace.records  # type: ignore[union-attr]
                 outs = floats(out_r)
@@ -304,7 +316,7 @@ def capture(task: Task, recipe: Recipe, device: torch.device, at_steps: Sequence
     fit = 2.0 ** min(24, max(0, math.floor(math.log2(f16.max / (2 * grad_max))))) if grad_max > 0 else 2.0**16
     return Capture(recipe.name, short_name(compute), unit_roundoff(compute), captured, modules, first["out"],
                    first["loss"], reductions, scales, grad_max, fit, acc.flushed_share, losses, reproduced, notes,
-                   time.perf_counter() - t0, [n for n, _ in model_32.named_parameters()])
+                   time.perf_counter() - t0, [n for n, _ in model_32.named_parameters()], loss_err, made_loss)
 
 
 def _store(into: dict[str, torch.Tensor], name: str) -> Callable[[torch.Tensor], None]:
@@ -374,6 +386,7 @@ class _Accumulator:
             if isinstance(rp, str):
                 row.unmeasured = rp
             elif rp is not None:
+                row.received_overflow |= rp.received_overflow
                 row.added = _worst(row.added, rp.added)
                 row.grad_added = _worst(row.grad_added, rp.grad_added)
                 row.made_nonfinite |= rp.made_nonfinite

@@ -90,9 +90,13 @@ def scale_candidates(recipe: Recipe, run: Any, capture: Capture, horizon: int) -
         low = int(np.argmin(scale))
         ev.append(f"loss scale ({recipe.loss_scaling}): {_pow2(scale[0])} at step 1, lowest {_pow2(scale[low])} at step "
                   f"{low + 1}, {_pow2(scale[-1])} at the end; {skipped} of {len(scale)} steps skipped for overflow")
+    at = ", ".join(_pow2(s) for s in sorted(set(capture.scales)))
     if capture.flushed is not None:
-        at = ", ".join(_pow2(s) for s in sorted(set(capture.scales)))
         ev.append(f"at scale {at}, {capture.flushed:.1%} of the gradient entries non-zero in fp32 were zero in fp16")
+    over = [m.label for m in capture.modules if m.grad_overflow]
+    if over:
+        ev.append(f"at scale {at}, the backward of {len(over)} module(s) overflowed fp16 given fp32's gradient: "
+                  + ", ".join(over[:6]) + (" ..." if len(over) > 6 else ""))
     f16 = get_format(torch.float16)
     ev.append(f"fp32's largest gradient was {capture.grad_max:.3g}: scales up to {_pow2(capture.fit_scale)} keep it under "
               f"half of fp16's max ({f16.max:g})")
@@ -138,7 +142,9 @@ def _bf16_twin(recipe: Recipe) -> Recipe | None:
 
 def loss_candidates(recipe: Recipe, capture: Capture) -> tuple[list[str], list[Candidate], bool]:
     """Evidence about 16-bit losses and reductions; the o=f32 candidate; whether the loss was 16-bit."""
-    ev = [f"the model's output reached the loss in {capture.output_dtype}; the loss came out in {capture.loss_dtype}"]
+    ev = [f"the model's output reached the loss in {capture.output_dtype}; the loss came out in {capture.loss_dtype}"
+          + (f", non-finite from finite outputs (fp32's was finite)" if capture.loss_made_nonfinite else
+             f", {capture.loss_error:.2g} from fp32's")]
     in_loss = [r for r in capture.reductions if r.module == OUTSIDE]
     in_model = [r for r in capture.reductions if r.module != OUTSIDE]
     if in_loss:

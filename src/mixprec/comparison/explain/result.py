@@ -55,7 +55,7 @@ def outcome_dict(o: Outcome) -> dict[str, Any]:
             "options": {k: (list(v) if isinstance(v, tuple) else v) for k, v in o.candidate.options},
             "status": o.verdict.status, "message": o.verdict.message, "horizon": o.horizon,
             "steps_run": None if o.run is None else o.run.steps, "stopped": None if o.run is None else o.run.stopped,
-            "seconds": round(o.seconds, 3)}
+            "seconds": round(o.seconds, 3), "verified": None if o.full is None else o.full.to_dict()}
 
 
 @dataclasses.dataclass
@@ -148,10 +148,23 @@ class Explanation:
         if self.capture is not None:
             entry = self.capture.entry_points()
             u = self.capture.unit_roundoff
-            shown = entry[:4] or self.capture.ranked()[:3]
-            head = "where the error enters" if entry else "no module adds more than 16 u by itself; the largest"
+            if self.capture.loss_made_nonfinite:
+                lines.append(f"  the loss itself made a non-finite value from finite model outputs (computed in "
+                             f"{self.capture.loss_dtype})")
+            # many modules whose only fault is gradients fp16 flushed: one line (the loss scale's finding says why)
+            flushing = [m for m in entry if (m.flushed or 0) >= 0.5 and not m.made_nonfinite
+                        and (m.added or 0) < 16 * u]
+            if len(flushing) > 3:
+                entry = [m for m in entry if m not in flushing]
+            shown = entry[:4] if entry or flushing else self.capture.ranked()[:3]
+            head = "where the error enters" if entry or flushing else \
+                "no module adds more than 16 u by itself; the largest"
             lines.append(f"  {head} ({self.capture.compute}, unit roundoff u = {u:.3g}; measured at steps "
                          f"{', '.join(map(str, self.capture.steps))}):")
+            if len(flushing) > 3:
+                names = ", ".join(m.label for m in flushing[:5]) + (" ..." if len(flushing) > 5 else "")
+                lines.append(f"    the backward of {len(flushing)} modules ({names}): at least half of their gradient "
+                             "entries zero where fp32's are not (fp16 underflow)")
             for m in shown:
                 lines.append(f"    {m.label} ({m.type}): {_in_u(m, u)}" + _what(m))
             if len(entry) > len(shown):
@@ -161,7 +174,8 @@ class Explanation:
             for line in f.evidence if f.status != "NOT APPLICABLE" else ():
                 lines.append(f"      - {line}")
             for o in f.outcomes:
-                lines.append(f"      {o.verdict.status:10s} {o.candidate.change} ({_steps(o)})")
+                full = "" if o.full is None else f"; over all {self.steps} steps: {o.full.status}"
+                lines.append(f"      {o.verdict.status:10s} {o.candidate.change} ({_steps(o)}{full})")
         if self.fix is not None:
             lines.append(f"  fix (verified: {self.fix.verdict.status} over all {self.steps} steps; step time "
                          f"x{self.fix.step_time_vs_recipe:.2f} the recipe's, x{self.fix.step_time_vs_fp32:.2f} fp32's):")

@@ -226,6 +226,7 @@ class Replay:
     grad_added: float  # relative error of the gradients its backward sent to its inputs and parameters
     made_nonfinite: bool  # non-finite output from fp32's finite input
     unchanged: bool  # bitwise fp32's: an island cannot change what this module computes
+    received_overflow: bool = False  # fp32's input does not fit the dtype it received: nothing measured
 
 
 def _own_params(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -291,6 +292,10 @@ def replay(call_32: Call, dtypes_r: Sequence[torch.dtype], m32: nn.Module, m_r: 
             outs32 = floats(m32(*a32, **k32))
         g32 = _grads(outs32, call_32.grads, floats((a32, k32)), p32, 1.0)
         a_r, k_r = fresh(dtypes_r)
+        if nonfinite(floats((a_r, k_r))) and not nonfinite(floats((a32, k32))):
+            # fp32's input does not fit the dtype this module received: the overflow happened where
+            # that dtype was made (the module before), not here; nothing to measure for this one
+            return Replay(float("nan"), float("nan"), False, False, received_overflow=True)
         with _same_randomness(call_32.rng), autocast():
             outs_r = floats(m_r(*a_r, **k_r))
         g_r = _grads(outs_r, call_32.grads, floats((a_r, k_r)), p_r, scale)
