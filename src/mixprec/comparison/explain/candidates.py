@@ -233,8 +233,8 @@ class Evaluator:
         else:  # one thread per job waits on a worker process; the training happens there
             t0 = time.perf_counter()
             with concurrent.futures.ThreadPoolExecutor(max_workers=self.jobs) as threads:
-                futures = {threads.submit(self._pool.run, (c, self.band, self.horizon, self.device, self.seed)): c
-                           for c in todo}
+                job = (self.band, self.horizon, self.device, self.seed)
+                futures = {threads.submit(self._pool.run, (train_candidate, (c, *job))): c for c in todo}
                 for f in concurrent.futures.as_completed(futures):
                     c = futures[f]
                     results[c] = (f.result(), time.perf_counter() - t0)

@@ -4,7 +4,8 @@ Each worker is a fresh interpreter running this module (``python -m ...workers``
 ``multiprocessing`` child: those re-import the user's ``__main__`` (a script without the
 ``if __name__ == "__main__"`` guard would start the whole explanation again in every worker).
 The parent writes the worker its setup (the parent's ``sys.path``, the task's name and
-arguments, torch threads), then one job at a time; the worker answers each with the result. All
+arguments, torch threads), then one job at a time, ``(function, args)``: the worker answers
+each with ``function(task, *args)`` (the function travels by reference, module and name). All
 messages are pickles behind an 8-byte length, on the worker's stdin and stdout (the worker's own
 prints go to its stderr, which is kept in a file and quoted if the worker dies).
 
@@ -44,7 +45,7 @@ def receive(stream: BinaryIO) -> Any:
 
 
 class WorkerPool:
-    """``jobs`` worker processes; ``run(fn_args)`` trains one job on whichever is free (thread-safe)."""
+    """``jobs`` worker processes; ``run((function, args))`` runs one job on whichever is free (thread-safe)."""
 
     def __init__(self, jobs: int, setup: dict[str, Any]) -> None:
         self._free: queue.Queue = queue.Queue()
@@ -104,7 +105,6 @@ def main() -> int:
             sys.path.insert(0, p)
     import torch
 
-    from mixprec.comparison.explain.candidates import train_candidate
     from mixprec.tasks import load_task
 
     torch.set_num_threads(setup["threads"])
@@ -113,8 +113,9 @@ def main() -> int:
         job = receive(stdin)
         if job is None:
             return 0
+        fn, args = job
         try:
-            send(out, ("ok", train_candidate(task, *job)))
+            send(out, ("ok", fn(task, *args)))
         except Exception as e:  # the parent reports it with the candidate
             send(out, ("error", f"{type(e).__name__}: {e}"))
 
