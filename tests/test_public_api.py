@@ -21,7 +21,7 @@ CORE = {
 }
 CAPABILITIES = {"save_checkpoint", "load_checkpoint", "CheckpointError"}  # mixprec.distributed
 TOOLS = {
-    "compare", "ComparisonResult", "Verdict", "VerdictRule",
+    "compare", "ComparisonResult", "Verdict", "VerdictRule", "explain", "Explanation",
     "nan_guard", "NanGuard", "NonFiniteError", "NonFiniteWarning", "NonFiniteEvent",
     "probe_grad_underflow", "probe_update_vanishing", "probe_activation_range", "ScaleMonitor", "diagnose_scale",
     "doctor", "lint_paths", "lint_source",

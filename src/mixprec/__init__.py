@@ -58,6 +58,9 @@ _EXPORTS: dict[str, str] = {
     "ComparisonResult": "mixprec.comparison.api",
     "Verdict": "mixprec.comparison.verdict",
     "VerdictRule": "mixprec.comparison.verdict",
+    # compare --explain: why a recipe does not track, and a verified fix
+    "explain": "mixprec.comparison.explain.api",
+    "Explanation": "mixprec.comparison.explain.result",
     # diagnostics
     "nan_guard": "mixprec.diagnostics.guard",
     "NanGuard": "mixprec.diagnostics.guard",

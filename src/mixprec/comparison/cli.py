@@ -34,6 +34,7 @@ examples:
   mixprec compare --quiet && echo "mixed precision is safe here"
   mixprec compare --backend jax            # the same judgement on a built-in JAX model (pip install 'mixprec[jax]')
   mixprec compare --nproc 2                # every run data-parallel on 2 processes (torchrun; DDP, gloo on CPU)
+  mixprec compare --task fragile --recipes bf16-pure --explain   # why it diverges, and a verified fix
 """
 
 
@@ -65,6 +66,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "share them); without it, N is bounded by the CPU count (gloo) or the GPU count (CUDA)")
     parser.add_argument("--backend", choices=("torch", "jax"), default="torch",
                         help="train with torch (default) or JAX (needs the jax extra; --task then names a JaxTask factory)")
+    parser.add_argument("--explain", action="store_true",
+                        help="for each recipe that does not TRACK: where the error enters (module by module against "
+                             "fp32), which cause holds, and the smallest fix, verified (docs/compare.md)")
+    parser.add_argument("--jobs", type=positive_int, default=None, metavar="N",
+                        help="with --explain: train N candidate runs at once, in worker processes (default 1)")
     parser.add_argument("--quiet", action="store_true", help="no progress and no table: one line per recipe")
     parser.add_argument("--json", action="store_true", help="print the result as JSON on stdout (progress goes to stderr)")
     parser.add_argument("--traceback", action="store_true", help="show the full Python traceback of unexpected errors")
@@ -105,6 +111,9 @@ def run(args: argparse.Namespace) -> int:
                       device=as_device(args.device) if args.nproc > 1 and backend == "torch" else None)
     except (ValueError, RuntimeError) as e:
         return error(str(e))
+    why_not = _explain_refusal(args)
+    if why_not:
+        return error(why_not)
     if getattr(args, "backend", "torch") == "jax":  # the torch side's only import of mixprec.jax, lazy
         try:
             from mixprec.jax.comparison_cli import run as run_jax
@@ -144,6 +153,8 @@ def run(args: argparse.Namespace) -> int:
         return error(f"{type(e).__name__}: {e}" + (f" (the task's arguments: {given})" if given else "")
                      + " (run with --traceback for the full traceback)")
 
+    if getattr(args, "explain", False):
+        return _run_explain(args, result, task_kwargs, threads, None if args.quiet else err, error)
     if args.json:
         print(result.to_json())
     elif args.quiet:
@@ -157,3 +168,59 @@ def run(args: argparse.Namespace) -> int:
         return error(result.write_error + ". Rerun with another --out (the results above are what it measured).")
     return 0 if result.ok else 1
 
+
+
+def _explain_refusal(args: argparse.Namespace) -> str | None:
+    """Why --explain / --jobs cannot run with the other options given (None: they can)."""
+    explain, jobs = getattr(args, "explain", False), getattr(args, "jobs", None)
+    if jobs is not None and not explain:
+        return "--jobs sets how many --explain candidate runs train at once; add --explain (compare runs one at a time)"
+    if explain and getattr(args, "backend", "torch") == "jax":
+        return "--explain runs on the torch backend only (it hooks torch modules); drop --backend jax"
+    if explain and getattr(args, "nproc", 1) > 1:
+        return ("--explain trains its candidates one process each and judges them against the comparison's band; with "
+                "--nproc the comparison's runs are data-parallel and the two would not compare: drop --nproc")
+    return None
+
+
+def _run_explain(args: argparse.Namespace, result, task_kwargs, threads, err, error) -> int:
+    """After the comparison: explain every recipe that does not TRACK, reusing its runs (one report
+    directory each, beside compare's files)."""
+    import json
+    import re
+    from pathlib import Path
+
+    from mixprec.comparison.explain.api import explain
+    from mixprec.comparison.report import print_summary
+    from mixprec.report.terminal import make_console
+
+    if not args.json and not args.quiet:
+        print_summary(result, make_console())
+    explained = {}
+    for name, verdict in result.verdicts.items():
+        if verdict.ok:
+            continue
+        out = None if not result.files else str(Path(result.files["json"]).parent / ("explain-" + re.sub(r"[^\w.-]+", "_", name)))
+        say = (lambda line: err.print(line, markup=False, highlight=False, soft_wrap=True)) if err is not None else None
+        try:
+            e = explain(args.task, name, comparison=result, device=args.device, out=out, task_kwargs=task_kwargs,
+                        threads=threads, jobs=args.jobs or 1, progress=say)
+        except Exception as ex:  # the comparison stands; the explanation could not be made
+            if args.traceback:
+                raise
+            return error(f"--explain {name}: {type(ex).__name__}: {ex}")
+        explained[name] = e
+        if args.json:
+            continue
+        if args.quiet:
+            print(f"{name}: explain: {e.status}: {e.summary}" + (f"\n  fix: {e.fix.code}" if e.fix else ""))
+        else:
+            print(e.render_text())
+        if e.files:
+            print(f"explain report: {e.files['html']}")
+    if args.json:
+        print(json.dumps({**result.to_dict(), "explain": {n: e.to_dict() for n, e in explained.items()}},
+                         indent=2, allow_nan=False))
+    elif not explained:
+        print("every recipe TRACKS: nothing to explain")
+    return 0 if result.ok else 1

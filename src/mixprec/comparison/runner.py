@@ -31,6 +31,8 @@ Role = Literal["reference", "noise", "candidate"]
 ProgressFn = Callable[[str, int, int, torch.Tensor], None]
 #: called as ``on_run(label, index, total)`` before each run starts
 RunStartFn = Callable[[str, int, int], None]
+#: called as ``stop(steps_done, latest_loss_tensor)`` after each step; a string stops the run (the reason)
+StopFn = Callable[[int, torch.Tensor], "str | None"]
 
 
 class RunError(RuntimeError):
@@ -240,6 +242,8 @@ def run_recipe(
     progress: ProgressFn | None = None,
     stop_after_nonfinite: int = 10,
     parallel: str | None = None,
+    mp_options: dict[str, Any] | None = None,
+    stop: StopFn | None = None,
 ) -> RunResult:
     """Train ``task`` for ``steps`` optimizer steps under ``recipe`` after ``torch.manual_seed(seed)``.
 
@@ -249,9 +253,13 @@ def run_recipe(
 
     ``parallel`` ("ddp", "fsdp"): called on every rank of a process group, each rank trains on its
     slice of every batch (``shard_batch``) and records the loss averaged over the ranks.
+
+    ``mp_options``: keyword arguments for ``MixedPrecision`` (``fp32_modules``, ``scaler``...), as a
+    user would pass them with this recipe. ``stop``: see ``StopFn`` (``compare --explain`` stops a
+    candidate as soon as it has left the fp32 band).
     """
     steps = task.steps if steps is None else int(steps)
-    mp = MixedPrecision(recipe, device, track_grad_norm=True)
+    mp = MixedPrecision(recipe, device, track_grad_norm=True, **(mp_options or {}))
     dev = mp.device
     name = mp.recipe.name
     label = label or (name if role != "noise" else f"{name} (seed {seed})")
@@ -307,6 +315,10 @@ def run_recipe(
         records.append((stats.loss.detach().float(), grad_norm.detach().float(), stats.scale.detach().float(), stats.skipped))
         if progress is not None:
             progress(label, step + 1, steps, stats.loss)
+        why = stop(step + 1, stats.loss) if stop is not None else None
+        if why:
+            stopped = why
+            break
         n_bad = stop_after_nonfinite
         if (step + 1) % check_every == 0 and len(records) >= n_bad:
             recent = torch.stack([r[0] for r in records[-n_bad:]])

@@ -1,0 +1,138 @@
+"""``mixprec.explain`` and ``mixprec compare --explain`` end to end, on tiny tasks with a planted
+cause (the full matrix, the real models and --jobs are in test_explain_planted.py, marked slow)."""
+
+from __future__ import annotations
+
+import json
+import pytest
+
+import mixprec
+from explain_tasks import make_unstable_task, make_variance_task
+from mixprec.comparison.explain.candidates import Candidate, recipe_expression, registered_name, same_recipe
+from mixprec.recipes import get_recipe
+
+
+@pytest.fixture(scope="module")
+def variance_explained(tmp_path_factory):
+    out = tmp_path_factory.mktemp("explain") / "report"
+    return mixprec.explain(make_variance_task(), "bf16-mixed", device="cpu", threads=1, out=str(out))
+
+
+def test_explain_names_the_planted_module_and_a_fix_verified_over_all_steps(variance_explained):
+    e = variance_explained
+    assert e.verdict.status == "DIVERGES" and e.status == "FIXED" and e.alarming
+    assert e.culprits == ["blocks.1.std"]
+    assert e.holds() == ["islands"]
+    assert e.fix.code == "MixedPrecision('bf16-mixed', fp32_modules=['blocks.1.std'])"
+    assert e.fix.verdict.status == "TRACKS" and e.fix.run.steps == e.steps  # verified on every step, not the horizon
+    assert e.fix.step_time_vs_recipe > 0 and e.fix.step_time_vs_fp32 > 0
+    assert e.horizon < e.steps  # the candidates ran on the short horizon
+    # the failing run's first step is where the capture looked
+    assert e.capture.steps[-1] == e.verdict.first_step
+    assert e.capture.reproduced is True
+
+
+def test_the_fix_code_runs_as_written_and_tracks(variance_explained):
+    from mixprec import MixedPrecision  # noqa: F401  (the name the code uses)
+
+    mp = eval(variance_explained.fix.code)
+    assert mp.recipe.name == "bf16-mixed" and mp.fp32_modules == ("blocks.1.std",)
+
+
+def test_explain_writes_its_report_and_the_json_holds_no_nan(variance_explained):
+    files = variance_explained.files
+    assert set(files) == {"html", "png", "json"}
+    data = json.loads(open(files["json"], encoding="utf-8").read())
+    assert data["mixprec_explain"] == 1 and data["fix"]["verdict"]["status"] == "TRACKS"
+    assert data["capture"]["entry_points"][0] == "blocks.1.std"
+    assert open(files["png"], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    html = open(files["html"], encoding="utf-8").read()
+    assert "blocks.1.std" in html and "MixedPrecision(&#x27;bf16-mixed&#x27;" in html
+    text = variance_explained.render_text()
+    assert "FIXED" in text and "fp32_modules=['blocks.1.std']" in text and "training runs" in text
+
+
+def test_a_recipe_that_tracks_is_not_alarming_and_costs_no_run(healthy_comparison):
+    e = mixprec.explain(None, "bf16-mixed", comparison=healthy_comparison, device="cpu")
+    assert e.status == "TRACKS" and not e.alarming
+    assert e.runs == 0 and e.fix is None and e.culprits == [] and e.capture is None
+    assert "nothing to explain" in e.summary
+    assert [f.status for f in e.findings] == ["REJECTED"]  # fp32 checked and found stable, nothing else said
+
+
+def test_when_fp32_itself_blows_up_the_model_not_the_format_is_named():
+    e = mixprec.explain(make_unstable_task(), "bf16-mixed", device="cpu", threads=1)
+    assert e.status == "FP32 UNSTABLE" and e.runs == 0
+    assert e.finding("fp32").status == "HOLDS"
+    assert "the model" in e.summary and "not the format" in e.summary
+
+
+def test_explain_refuses_what_it_cannot_do():
+    with pytest.raises(ValueError, match="fp32, the reference"):
+        mixprec.explain(make_variance_task(), "fp32", device="cpu")
+    with pytest.raises(ValueError, match="jobs"):
+        mixprec.explain(make_variance_task(), "bf16-mixed", device="cpu", jobs=0)
+
+
+def test_a_comparison_of_another_task_or_recipe_is_refused(healthy_comparison):
+    with pytest.raises(ValueError, match="judged"):
+        mixprec.explain(None, "bf16-true", comparison=healthy_comparison, device="cpu")
+    with pytest.raises(ValueError, match="same task"):
+        mixprec.explain(make_variance_task(), "bf16-mixed", comparison=healthy_comparison, device="cpu")
+
+
+def test_jobs_needs_a_task_the_workers_can_import():
+    from mixprec.comparison.explain.candidates import Evaluator
+    from mixprec.tasks import TaskError
+
+    with pytest.raises(TaskError, match="module:function"):
+        Evaluator(make_variance_task(), make_variance_task, {}, "cpu", None, 10, jobs=2)  # type: ignore[arg-type]
+
+
+def test_fix_code_names_a_registered_recipe_when_the_change_makes_one():
+    import dataclasses
+
+    pure = get_recipe("bf16-pure")
+    assert registered_name(dataclasses.replace(pure, master="fp32")) == "bf16-true"
+    assert same_recipe(dataclasses.replace(get_recipe("fp16-mixed"), static_scale=1.0), get_recipe("fp16-mixed"))
+    custom = dataclasses.replace(get_recipe("fp16-mixed"), name="mine", loss_scaling="static", static_scale=1.0)
+    assert recipe_expression(dataclasses.replace(custom, static_scale=2.0**14), custom) == \
+        "dataclasses.replace(recipe, static_scale=2.0**14)  # recipe: your 'mine'"
+    c = Candidate("scale", "initial scale", get_recipe("fp16-mixed"), (("scaler", {"init_scale": 2.0**10}),))
+    assert c.code(get_recipe("fp16-mixed")) == "MixedPrecision('fp16-mixed', scaler={'init_scale': 2.0**10})"
+
+
+def _cli(argv, capsys):
+    from mixprec.cli import main
+
+    code = main(["compare", *argv])
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err
+    return code, out, err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--jobs", "2"], "add --explain"),
+    (["--explain", "--nproc", "2"], "drop --nproc"),
+    (["--explain", "--backend", "jax"], "torch backend only"),
+])
+def test_cli_refuses_explain_options_it_would_ignore(args, message, capsys):
+    code, _, err = _cli([*args, "--quiet"], capsys)
+    assert code == 2 and message in err, err
+
+
+def test_cli_explain_prints_the_fix_and_writes_a_report_per_failing_recipe(tmp_path, capsys):
+    code, out, err = _cli(["--task", "explain_tasks:make_attention_task", "--recipes", "fp16-mixed", "--explain",
+                           "--out", str(tmp_path / "rep"), "--threads", "1"], capsys)
+    assert code == 1, err  # the comparison's verdict stands: fp16-mixed does not track
+    assert "MixedPrecision('fp16-mixed', fp32_modules=['attn'])" in out
+    assert "[islands]" in err and "search run" in err and "more)" in err  # which hypothesis, candidate, runs left
+    assert (tmp_path / "rep" / "explain-fp16-mixed" / "explain.png").exists()
+    assert (tmp_path / "rep" / "compare.json").exists()
+
+
+def test_cli_explain_json_adds_the_explanations_to_the_comparison(tmp_path, capsys):
+    code, out, _ = _cli(["--task", "explain_tasks:make_unstable_task", "--recipes", "bf16-mixed", "--explain", "--json",
+                         "--out", "", "--threads", "1"], capsys)
+    data = json.loads(out)
+    assert code == 1 and data["explain"]["bf16-mixed"]["status"] == "FP32 UNSTABLE"
