@@ -13,6 +13,7 @@ from collections import defaultdict
 from mixprec.lint.checkpoints import checkpoint_hits, method_calls
 from mixprec.lint.coverage import coverage_hits
 from mixprec.lint.flow import Branch, Event, Flow, Region, exclusive, opposite_arms
+from mixprec.lint.dtypes import one_dtype
 from mixprec.lint.names import Script, argument, key_of, last
 from mixprec.lint.report import Hit
 
@@ -129,7 +130,7 @@ class FunctionChecks:
             elif event.kind in ("opt_step", "scaler_step"):
                 who = event.target if event.kind == "opt_step" else event.scaler
                 self.hit("MP109", place(event, region), f"{who}.step() inside an autocast region{_via(event)}")
-            elif event.kind == "loss_call":
+            elif event.kind == "loss_call" and event.sensitivity.under(region.autocast.device, region.autocast.dtype):
                 self.hit(
                     "MP110",
                     place(event, region),
@@ -423,11 +424,11 @@ def _cast_16(script: Script, node: ast.AST) -> ast.Call | None:
         if method in ("half", "bfloat16") and not node.args:
             return node
         if method == "from_pretrained":  # Hugging Face: from_pretrained(..., torch_dtype=torch.bfloat16)
-            if any(kw.arg in ("torch_dtype", "dtype") and script.dtype(kw.value) in ("fp16", "bf16") for kw in node.keywords):
+            if any(kw.arg in ("torch_dtype", "dtype") and one_dtype(script, kw.value) in ("fp16", "bf16") for kw in node.keywords):
                 return node
         if method in ("to", "type"):
-            dtypes = [script.dtype(a) for a in node.args] + [
-                script.dtype(kw.value) for kw in node.keywords if kw.arg == "dtype"
+            dtypes = [one_dtype(script, a) for a in node.args] + [
+                one_dtype(script, kw.value) for kw in node.keywords if kw.arg == "dtype"
             ]
             if any(d in ("fp16", "bf16") for d in dtypes):
                 return node

@@ -22,7 +22,9 @@ import itertools
 from dataclasses import dataclass, field
 
 from mixprec.lint.losses import SensitiveLosses
-from mixprec.lint.names import CLIPS, Autocast, Script, key_of, scale_receiver
+from mixprec.lint.dtypes import Autocast
+from mixprec.lint.dtypes import autocast as autocast_of
+from mixprec.lint.names import CLIPS, Script, key_of, scale_receiver
 
 _MAX_DEPTH = 3  # helper calls followed below the analysed function
 _GUARD_WORDS = ("inf", "finite", "nan", "overflow")
@@ -73,6 +75,7 @@ class Event:
     target: str | None = None  # the optimizer stepped or unscaled
     loss: str = "plain"  # for backward: "scaled", "plain" or "unknown"
     name: str | None = None  # for loss_call: the loss's name
+    sensitivity: object = None  # for loss_call: where the loss is 16-bit-sensitive (losses.Sensitivity)
 
     @property
     def region(self) -> Region | None:
@@ -179,7 +182,7 @@ class Flow:
             inner = ctx
             for item in stmt.items:
                 self._expr(item.context_expr, frame, inner, path)
-                autocast = self.script.autocast(item.context_expr)
+                autocast = autocast_of(self.script, item.context_expr)
                 if autocast is not None:
                     inner = inner + (Region(autocast, frame.site),)
                     self._emit("autocast", item.context_expr, frame, inner, path)
@@ -250,7 +253,8 @@ class Flow:
         script, func = self.script, call.func
         loss_name = self.losses.name_of(call)
         if loss_name is not None:
-            self._emit("loss_call", call, frame, ctx, path, name=loss_name)
+            self._emit("loss_call", call, frame, ctx, path, name=loss_name,
+                       sensitivity=self.losses.sensitivity.get(loss_name))
         if isinstance(func, ast.Attribute):
             local = key_of(func.value)
             receiver = frame.key(local)
@@ -261,6 +265,8 @@ class Flow:
                 return
             if script.is_scaler(local) or script.is_scaler(receiver):
                 kinds = {"unscale_": "unscale", "step": "scaler_step", "update": "update"}
+                if func.attr == "update" and (call.args or call.keywords):
+                    return  # update(new_scale) sets the scale: no inf checks, no second update
                 if func.attr in kinds:
                     self._emit(kinds[func.attr], call, frame, ctx, path, scaler=receiver, target=first)
                 return
@@ -322,7 +328,7 @@ class Flow:
         self._block(callee.body, inner, ctx, path)
 
     def _decorators(self, func, site) -> tuple[Region, ...]:
-        regions = (self.script.autocast(d) for d in func.decorator_list)
+        regions = (autocast_of(self.script, d) for d in func.decorator_list)
         return tuple(Region(r, site) for r in regions if r is not None)
 
     # --- what a backward() runs on ---------------------------------------------------------

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import ast
 import re
-from dataclasses import dataclass
 
 # Spellings of one object -> the one name the rules use.
 _CANONICAL = {
@@ -55,8 +54,6 @@ CLIPS = frozenset(
     }
 )
 DTYPES = {"torch.float16": "fp16", "torch.bfloat16": "bf16", "torch.float32": "fp32", "torch.float64": "fp64"}
-# What torch.autocast uses when no dtype is given (torch.get_autocast_dtype's defaults).
-_DEFAULT_DTYPE = {"cuda": "fp16", "cpu": "bf16"}
 
 # opt, optim, optimizer, optimiser, alone or as a word of a snake/digit name: g_opt, optimizer2
 _OPTIMIZER_NAME = re.compile(r"(^|_)(opt|optim|optimizer|optimiser)s?\d*(_|$)|optimi[sz]er$", re.I)
@@ -86,16 +83,6 @@ def argument(call: ast.Call, index: int, name: str) -> ast.expr | None:
     if index < len(call.args) and not any(isinstance(a, ast.Starred) for a in call.args[: index + 1]):
         return call.args[index]
     return None
-
-
-@dataclass(frozen=True)
-class Autocast:
-    """One autocast constructor call. ``dtype`` is "fp16"/"bf16"/"fp32"/... or None (unknown);
-    ``enabled`` is True, False or None (decided at run time)."""
-
-    node: ast.expr
-    dtype: str | None
-    enabled: bool | None
 
 
 class Script:
@@ -269,43 +256,6 @@ class Script:
         if value is not None and _depth < 3:
             return self.constant(value, None, _depth + 1)
         return None
-
-    def dtype(self, node: ast.AST | None, _depth: int = 0) -> str | None:
-        if node is None:
-            return None
-        found = DTYPES.get(self.qualname(node) or "")
-        if found is None and _depth < 3:
-            value = self.single_value(node)
-            if value is not None:
-                return self.dtype(value, _depth + 1)
-        return found
-
-    def autocast(self, node: ast.AST | None, _depth: int = 0) -> Autocast | None:
-        """The autocast a ``with`` item or decorator enters, resolving ``ctx = torch.autocast(...)``
-        and ``nullcontext() if cpu else torch.autocast(...)``; None when it is not one."""
-        if isinstance(node, ast.IfExp):
-            arms = [a for a in (self.autocast(node.body, _depth), self.autocast(node.orelse, _depth)) if a]
-            if len(arms) == 2 and arms[0].dtype != arms[1].dtype:
-                return Autocast(node, None, None)
-            return arms[0] if arms else None
-        if isinstance(node, (ast.Name, ast.Attribute)) and _depth < 3:
-            value = self.single_value(node)
-            return self.autocast(value, _depth + 1) if value is not None else None
-        if not isinstance(node, ast.Call):
-            return None
-        spec = AUTOCASTS.get(self.qualname(node.func) or "")
-        if spec is None:
-            return None
-        params, device = spec
-        if device is None:
-            device = self.constant(argument(node, 0, "device_type"))
-        dtype_arg = argument(node, params.index("dtype"), "dtype")
-        if dtype_arg is None or (isinstance(dtype_arg, ast.Constant) and dtype_arg.value is None):
-            dtype = _DEFAULT_DTYPE.get(device) if isinstance(device, str) else None
-        else:
-            dtype = self.dtype(dtype_arg)
-        enabled = self.constant(argument(node, params.index("enabled"), "enabled"), True)
-        return Autocast(node, dtype, enabled if isinstance(enabled, bool) else None)
 
     def condition(self, test: ast.expr) -> tuple[str, bool] | None:
         """(key, polarity) for an ``if`` test that reads the same value wherever it appears:
