@@ -152,7 +152,11 @@ def _factory(script, call: ast.Call, depth: int) -> Autocast | None:
     func = call.func
     if not isinstance(func, (ast.Name, ast.Attribute)) or script.qualname(func) is not None:
         return None
-    bound = values(script, func)
+    return _called(script, values(script, func), call)
+
+
+def _called(script, bound: list[ast.expr] | None, call: ast.Call) -> Autocast | None:
+    """The autocast ``call`` enters when its callee may be any of ``bound``."""
     if not bound:
         return None
     arms: list[Autocast | None] = []
@@ -173,6 +177,20 @@ def _factory(script, call: ast.Call, depth: int) -> Autocast | None:
     if all(a is None for a in arms):
         return None
     return _combine(call, arms, None)
+
+
+def autocast_for_key(script, key: str, item: ast.expr) -> Autocast | None:
+    """The autocast ``item`` (``ctx`` or ``factory()`` in a ``with``) enters, where its name is
+    ``key`` of ``script`` (a parameter's argument, resolved in the caller's file)."""
+    bound = script.assigns.get(key)
+    if not bound:
+        return None
+    if isinstance(item, ast.Call):
+        return _called(script, bound, item)
+    arms = [None if _no_op_value(script, v) else autocast(script, v, 1) for v in bound]
+    if all(a is None for a in arms) or any(a is None and not _no_op_value(script, v) for a, v in zip(arms, bound)):
+        return None
+    return _combine(item, arms, None)
 
 
 def _accelerator(script, receiver: ast.AST) -> Autocast | None:

@@ -101,8 +101,13 @@ class Script:
         self.functions: dict[str, list[ast.FunctionDef | ast.AsyncFunctionDef]] = {}
         self.methods: dict[str, list[ast.FunctionDef | ast.AsyncFunctionDef]] = {}
         self.classes: dict[str, ast.ClassDef] = {}
+        self.class_methods: dict[str, dict[str, ast.FunctionDef | ast.AsyncFunctionDef]] = {}
         self.calls: list[ast.Call] = []
         self._classdefs: list[ast.ClassDef] = []
+        # ``from .x import y as z``: z -> (level, "x", "y"); ``from . import m``: m -> (1, None, "m")
+        self.relative: dict[str, tuple[int, str | None, str]] = {}
+        self.path = None  # the file, when known (set by the engine); the project resolves imports from it
+        self.project = None  # the workspace.Project the file is linted in, or None
         for name, target in (star_aliases or {}).items():  # the file's own imports override these
             self.aliases[name] = self.module_aliases[name] = target
             self.imported_roots.add(target.split(".")[0])
@@ -127,6 +132,10 @@ class Script:
         seen: dict[str, set[str]] = {}
         module_level = {id(n) for n in _module_statements(self.tree.body)}
         for node in self.nodes:
+            if isinstance(node, ast.ImportFrom) and node.level:
+                for a in node.names:
+                    if a.name != "*":
+                        self.relative[a.asname or a.name] = (node.level, node.module, a.name)
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 top = id(node) in module_level
                 for name, target in _bindings(node):
@@ -146,6 +155,7 @@ class Script:
                 for item in node.body:
                     if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
                         self.methods.setdefault(item.name, []).append(item)
+                        self.class_methods.setdefault(node.name, {})[item.name] = item
             elif isinstance(node, ast.Call):
                 self.calls.append(node)
         methods = {id(m) for ms in self.methods.values() for m in ms}
@@ -262,12 +272,7 @@ class Script:
         names and attributes the file binds at most once, constants, comparisons and
         and/or/not; ``not x`` and ``x is not None`` give the key of ``x`` / ``x is None`` with
         the opposite polarity. None for anything else (a call, a subscript, a name rebound)."""
-        positive = True
-        while isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
-            test, positive = test.operand, not positive
-        if isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], (ast.IsNot, ast.NotEq)):
-            op = ast.Is() if isinstance(test.ops[0], ast.IsNot) else ast.Eq()
-            test, positive = ast.Compare(left=test.left, ops=[op], comparators=test.comparators), not positive
+        test, positive = normalized_test(test)
         for node in ast.walk(test):
             if isinstance(node, (ast.Name, ast.Attribute)):
                 k = key_of(node)
@@ -372,6 +377,17 @@ class Script:
             if target == "torch" and self.aliases.get(name) == "torch":
                 return name
         return None
+
+
+def normalized_test(test: ast.expr) -> tuple[ast.expr, bool]:
+    """(test, polarity) with leading ``not`` and ``is not``/``!=`` folded into the polarity."""
+    positive = True
+    while isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+        test, positive = test.operand, not positive
+    if isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], (ast.IsNot, ast.NotEq)):
+        op = ast.Is() if isinstance(test.ops[0], ast.IsNot) else ast.Eq()
+        test, positive = ast.Compare(left=test.left, ops=[op], comparators=test.comparators), not positive
+    return test, positive
 
 
 def _line_table(ranges, size: int) -> list:
