@@ -320,11 +320,12 @@ def test_sensitive_loss_method_called_through_self_is_found():
             return -torch.log(torch.exp(a @ b.T).diag() / torch.exp(a @ b.T).sum(1)).mean()
 
         def training_step(self, batch):
-            with torch.autocast("cuda", dtype=torch.bfloat16):
+            # on CPU, exp and log are not on autocast's fp32 list: the loss runs in bf16
+            with torch.autocast("cpu", dtype=torch.bfloat16):
                 a, b = self.encode(batch)
                 return self.contrastive_loss(a, b)
     """
-    assert codes(source) == [(11, "MP110")]
+    assert codes(source) == [(12, "MP110")]
 
 
 def test_math_log_in_a_loss_is_not_tensor_math():

@@ -12,7 +12,9 @@ from collections import defaultdict
 
 from mixprec.lint.checkpoints import checkpoint_hits, method_calls
 from mixprec.lint.coverage import coverage_hits
-from mixprec.lint.flow import Branch, Event, Flow, Region, exclusive, opposite_arms
+from mixprec.lint.events import Branch, Event, Region, exclusive, exclusive_either, opposite_arms, show, unrelated
+from mixprec.lint.flow import Flow
+from mixprec.lint.dtypes import one_dtype
 from mixprec.lint.names import Script, argument, key_of, last
 from mixprec.lint.report import Hit
 
@@ -57,9 +59,10 @@ def _order(event: Event) -> int:
 class FunctionChecks:
     """The rules that read one function's events."""
 
-    def __init__(self, script: Script, events: list[Event]):
+    def __init__(self, script: Script, events: list[Event], origins: dict | None = None):
         self.script = script
         self.events = events
+        self.origins = origins or {}  # key -> (file, local key) where the object was made
         self.hits: list[Hit] = []
         # the events by kind and by (kind, scaler), in order: the rules look events up here
         # instead of scanning them all for every event, which is quadratic in a long module
@@ -77,9 +80,16 @@ class FunctionChecks:
         if node is not None:
             self.hits.append(Hit(code, node, message))
 
+    def scaler_enabled(self, scaler: str | None) -> bool | None:
+        """True/False when every construction of the scaler says so literally; None otherwise."""
+        if scaler is None:
+            return None
+        home, local = self.origins.get(scaler, (self.script, scaler))
+        return home.scaler_enabled(local)
+
     def live(self, scaler: str | None) -> bool:
         """False only for a scaler every construction of which says ``enabled=False``."""
-        return self.script.scaler_enabled(scaler) is not False
+        return self.scaler_enabled(scaler) is not False
 
     def run(self) -> list[Hit]:
         for check in (
@@ -113,9 +123,9 @@ class FunctionChecks:
                 continue
             later = bool(unscales) and unscales[-1].order > clip.order
             what = (
-                f"clipped before {back.scaler}.unscale_()"
+                f"clipped before {show(back.scaler)}.unscale_()"
                 if later
-                else f"clipped while still scaled: no {back.scaler}.unscale_() between backward() and the clip"
+                else f"clipped while still scaled: no {show(back.scaler)}.unscale_() between backward() and the clip"
             )
             self.hit("MP101", place(clip, back), f"gradients {what}{_via(clip)}")
 
@@ -128,8 +138,8 @@ class FunctionChecks:
                 self.hit("MP102", place(event, region), f"backward() inside an autocast region{_via(event)}")
             elif event.kind in ("opt_step", "scaler_step"):
                 who = event.target if event.kind == "opt_step" else event.scaler
-                self.hit("MP109", place(event, region), f"{who}.step() inside an autocast region{_via(event)}")
-            elif event.kind == "loss_call":
+                self.hit("MP109", place(event, region), f"{show(who)}.step() inside an autocast region{_via(event)}")
+            elif event.kind == "loss_call" and event.sensitivity.under(region.autocast.device, region.autocast.dtype):
                 self.hit(
                     "MP110",
                     place(event, region),
@@ -146,12 +156,12 @@ class FunctionChecks:
             unscaled = [u for u in _between(self.of("unscale", back.scaler), back, step) if not exclusive(u, step)]
             if unscaled:  # the gradients have the right size, but nothing skips an inf/NaN step
                 what = (
-                    f"{step.target}.step() called directly after {back.scaler}.unscale_(): an inf/NaN "
+                    f"{show(step.target)}.step() called directly after {show(back.scaler)}.unscale_(): an inf/NaN "
                     f"step is applied, not skipped"
                 )
             else:
-                what = f"{step.target}.step() called directly after {back.scaler}.scale(loss).backward()"
-            self.hit("MP103", place(step, back), f"{what}; use {back.scaler}.step({step.target}){_via(step)}")
+                what = f"{show(step.target)}.step() called directly after {show(back.scaler)}.scale(loss).backward()"
+            self.hit("MP103", place(step, back), f"{what}; use {show(back.scaler)}.step({show(step.target)}){_via(step)}")
 
     def update_outside_loop(self) -> None:  # MP104 (the in-function half)
         updated_in: dict[str | None, set] = defaultdict(set)  # scaler -> the loops it is updated in
@@ -177,7 +187,7 @@ class FunctionChecks:
             self.hit(
                 "MP104",
                 place(step, *updates),
-                f"{step.scaler}.step() runs every iteration but {step.scaler}.update() is outside the loop{_via(step)}",
+                f"{show(step.scaler)}.step() runs every iteration but {show(step.scaler)}.update() is outside the loop{_via(step)}",
             )
 
     def update_twice(self) -> None:  # MP105
@@ -191,7 +201,7 @@ class FunctionChecks:
                     self.hit(
                         "MP105",
                         place(second, first),
-                        f"{second.scaler}.update() called again in the same step (first on line "
+                        f"{show(second.scaler)}.update() called again in the same step (first on line "
                         f"{(first.site or first.node).lineno}){_via(second)}",
                     )
         steps_in: dict[tuple, list[Event]] = defaultdict(list)  # (scaler, loop) -> scaler steps in it
@@ -205,7 +215,7 @@ class FunctionChecks:
                     self.hit(
                         "MP105",
                         place(update, step),
-                        f"{update.scaler}.update() inside the loop over optimizers: once per optimizer, "
+                        f"{show(update.scaler)}.update() inside the loop over optimizers: once per optimizer, "
                         f"not once per step{_via(update)}",
                     )
                     break
@@ -230,8 +240,8 @@ class FunctionChecks:
                 self.hit(
                     "MP113",
                     place(direct, via_scaler),
-                    f"{direct.target} is stepped twice in one pass: {via_scaler.scaler}.step({via_scaler.target}) "
-                    f"on line {(via_scaler.site or via_scaler.node).lineno} already called {direct.target}.step()"
+                    f"{show(direct.target)} is stepped twice in one pass: {show(via_scaler.scaler)}.step({show(via_scaler.target)}) "
+                    f"on line {(via_scaler.site or via_scaler.node).lineno} already called {show(direct.target)}.step()"
                     f"{_via(direct)}",
                 )
 
@@ -242,11 +252,11 @@ class FunctionChecks:
         scaled = [b for b in backs if b.loss == "scaled" and self.live(b.scaler)]
         if regions and dtypes == {"bf16"}:
             for back in scaled:
-                if self.script.scaler_enabled(back.scaler) is True:
+                if self.scaler_enabled(back.scaler) is True:
                     self.hit(
                         "MP107",
                         place(back, *regions),
-                        f"GradScaler {back.scaler} used with bf16 autocast, which needs no loss scaling{_via(back)}",
+                        f"GradScaler {show(back.scaler)} used with bf16 autocast, which needs no loss scaling{_via(back)}",
                     )
                     break
         # a region run without gradients (an evaluation under torch.no_grad()) feeds no backward()
@@ -272,7 +282,7 @@ class FunctionChecks:
 
     def _without_grad(self, e: Event) -> bool:
         """The event, or the call in the analysed function that led to it, runs with grads off."""
-        return self.script.without_grad(e.node) or (e.site is not None and self.script.without_grad(e.site))
+        return e.script.without_grad(e.node) or (e.site is not None and self.script.without_grad(e.site))
 
     def step_on_unscaled(self) -> None:  # MP112
         scaled = {b.scaler for b in self.of("backward") if b.loss == "scaled"}
@@ -285,8 +295,8 @@ class FunctionChecks:
             self.hit(
                 "MP112",
                 place(back, step),
-                f"backward() on an unscaled loss, then {step.scaler}.step() unscales the gradients; "
-                f"use {step.scaler}.scale(loss).backward(){_via(back)}",
+                f"backward() on an unscaled loss, then {show(step.scaler)}.step() unscales the gradients; "
+                f"use {show(step.scaler)}.scale(loss).backward(){_via(back)}",
             )
 
 
@@ -314,13 +324,13 @@ class FunctionChecks:
             if not any(not _at_boundary(b.path, loop) for b in backs_in.get(loop, ())):
                 continue
             updates = self.of("update", unscale.scaler)
-            inside = [u for u in updates if loop in u.path and not _exclusive_either(unscale, u)]
+            inside = [u for u in updates if loop in u.path and not exclusive_either(unscale, u)]
             if inside:
                 if not all(_at_boundary(u.path, loop) for u in inside):
                     continue
                 update, where = inside[0], "only at the accumulation boundary"
             else:
-                after = [u for u in updates if u.order > unscale.order and not _exclusive_either(unscale, u)]
+                after = [u for u in updates if u.order > unscale.order and not exclusive_either(unscale, u)]
                 steps = [e for e in self.of("scaler_step", unscale.scaler) if loop in e.path]
                 if not after or steps or any(loop in u.path for u in updates):
                     continue
@@ -328,15 +338,10 @@ class FunctionChecks:
             self.hit(
                 "MP114",
                 place(unscale, update),
-                f"{unscale.scaler}.unscale_({unscale.target}) on every micro-batch, but {unscale.scaler}.update() "
+                f"{show(unscale.scaler)}.unscale_({show(unscale.target)}) on every micro-batch, but {show(unscale.scaler)}.update() "
                 f"runs {where} (line {(update.site or update.node).lineno}): the second micro-batch raises "
                 f"RuntimeError{_via(unscale)}",
             )
-
-
-def _exclusive_either(a: Event, b: Event) -> bool:
-    first, second = sorted((a, b), key=lambda e: e.order)
-    return exclusive(first, second)
 
 
 def _at_boundary(path: tuple, loop) -> bool:
@@ -423,11 +428,11 @@ def _cast_16(script: Script, node: ast.AST) -> ast.Call | None:
         if method in ("half", "bfloat16") and not node.args:
             return node
         if method == "from_pretrained":  # Hugging Face: from_pretrained(..., torch_dtype=torch.bfloat16)
-            if any(kw.arg in ("torch_dtype", "dtype") and script.dtype(kw.value) in ("fp16", "bf16") for kw in node.keywords):
+            if any(kw.arg in ("torch_dtype", "dtype") and one_dtype(script, kw.value) in ("fp16", "bf16") for kw in node.keywords):
                 return node
         if method in ("to", "type"):
-            dtypes = [script.dtype(a) for a in node.args] + [
-                script.dtype(kw.value) for kw in node.keywords if kw.arg == "dtype"
+            dtypes = [one_dtype(script, a) for a in node.args] + [
+                one_dtype(script, kw.value) for kw in node.keywords if kw.arg == "dtype"
             ]
             if any(d in ("fp16", "bf16") for d in dtypes):
                 return node
@@ -480,7 +485,7 @@ def check(script: Script) -> list[Hit]:
         flow = Flow(script)
         bodies = [script.tree] + [f for defs in (*script.functions.values(), *script.methods.values()) for f in defs]
         for body in bodies:
-            hits.extend(FunctionChecks(script, flow.function(body)).run())
+            hits.extend(FunctionChecks(script, flow.function(body), flow.origins).run())
     unique: dict[tuple, Hit] = {}
     for h in hits:
         unique.setdefault((h.code, h.node.lineno, h.node.col_offset), h)

@@ -20,6 +20,7 @@ import ast
 import builtins
 
 from mixprec.lint.bindings import ScopeBindings, _walk_scope
+from mixprec.lint.dtypes import autocast as autocast_of
 from mixprec.lint.names import Script, _line_table, key_of
 from mixprec.lint.report import Hit
 
@@ -51,10 +52,10 @@ class _Coverage:
         self.script = script
         ranges = []  # (first, last line) of every autocast with-body and decorated function
         for node in script.nodes:
-            if isinstance(node, (ast.With, ast.AsyncWith)) and any(script.autocast(i.context_expr) for i in node.items):
+            if isinstance(node, (ast.With, ast.AsyncWith)) and any(autocast_of(script, i.context_expr) for i in node.items):
                 ranges.append((node.lineno, node.end_lineno))
             elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                if any(script.autocast(d) for d in node.decorator_list):
+                if any(autocast_of(script, d) for d in node.decorator_list):
                     ranges.append((node.lineno, node.end_lineno))
         # line -> how many regions hold it, and the innermost one: covered() in constant time
         size = max((r[1] for r in ranges), default=0) + 2
@@ -108,7 +109,7 @@ class _Coverage:
 
     def check(self, stmt: ast.With, bindings: ScopeBindings) -> Hit | None:
         script = self.script
-        regions = [script.autocast(i.context_expr) for i in stmt.items]
+        regions = [autocast_of(script, i.context_expr) for i in stmt.items]
         if not any(r is not None and r.enabled is not False and r.dtype not in ("fp32", "fp64") for r in regions):
             return None
         if self.covered(stmt, stmt) or not all(isinstance(s, _SIMPLE) for s in stmt.body):
@@ -155,7 +156,7 @@ def coverage_hits(script: Script) -> list[Hit]:  # MP115
         withs = [n for n in _walk_scope(scope) if isinstance(n, ast.With)]
         if not withs:
             continue
-        regions = [w for w in withs if any(script.autocast(i.context_expr) for i in w.items)]
+        regions = [w for w in withs if any(autocast_of(script, i.context_expr) for i in w.items)]
         if not regions:
             continue
         bindings = ScopeBindings(scope)

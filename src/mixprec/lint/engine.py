@@ -18,8 +18,7 @@ from pathlib import Path
 from mixprec.lint.checks import check
 from mixprec.lint.deprecated import deprecated_hits
 from mixprec.lint.fixes import Source, apply_edits
-from mixprec.lint.names import Script
-from mixprec.lint.project import free_names, has_star_import, star_aliases
+from mixprec.lint.workspace import Project
 from mixprec.lint.report import Finding, Hit
 from mixprec.lint.rules import RULES
 
@@ -28,7 +27,8 @@ _NOQA = re.compile(r"#\s*noqa(?::\s*(?P<codes>[A-Z]+[0-9]+(?:[\s,]+[A-Z]+[0-9]+)
 _FIX_PASSES = 3  # a fix can expose another (nested calls); each pass re-parses
 
 
-def _hits(text: str, path: str | None = None) -> tuple[list[Hit], Source] | tuple[SyntaxError, Source]:
+def _hits(text: str, path: str | None = None, project: Project | None = None):
+    """(hits, source) of one file's text, or (SyntaxError, source) when it does not parse."""
     source = Source(text)
     try:
         with warnings.catch_warnings():
@@ -38,12 +38,7 @@ def _hits(text: str, path: str | None = None) -> tuple[list[Hit], Source] | tupl
         if not isinstance(error, SyntaxError):
             error = SyntaxError(str(error), (None, 1, 0, ""))
         return error, source
-    script = Script(tree)
-    if path is not None and has_star_import(tree) and Path(path).is_file():
-        free = free_names(script.nodes)
-        stars = star_aliases(tree, path, free) if free else None
-        if stars:  # names from the project's own star-imported modules: read the file again with them
-            script = Script(tree, stars)
+    script = (project or Project()).for_text(text, tree, path)
     return [*check(script), *deprecated_hits(script, source)], source
 
 
@@ -57,9 +52,9 @@ def _suppressed(source: Source, line: int, code: str) -> bool:
     return codes is None or code in {c.upper() for c in re.split(r"[\s,]+", codes)}
 
 
-def _findings(text: str, path: str, codes: set[str]) -> tuple[list[Finding], list[tuple]]:
+def _findings(text: str, path: str, codes: set[str], project: Project | None = None) -> tuple[list[Finding], list[tuple]]:
     """Findings (sorted) and, for the fixable ones, their edit groups."""
-    result, source = _hits(text, path)
+    result, source = _hits(text, path, project)
     if isinstance(result, SyntaxError):
         line = result.lineno or 1
         col = result.offset or 1
@@ -77,9 +72,13 @@ def _findings(text: str, path: str, codes: set[str]) -> tuple[list[Finding], lis
     return findings, groups
 
 
-def lint_source(text: str, path: str = "<string>", codes: set[str] | None = None) -> list[Finding]:
-    """The findings for one file's text. ``codes``: the rule codes to report (default all)."""
-    return _findings(text, path, set(RULES) if codes is None else codes)[0]
+def lint_source(
+    text: str, path: str = "<string>", codes: set[str] | None = None, project: Project | None = None
+) -> list[Finding]:
+    """The findings for one file's text. ``codes``: the rule codes to report (default all).
+    ``project``: the files linted together (shared by ``lint_paths``), whose modules a call
+    into another file of the project is followed into; a new one when None."""
+    return _findings(text, path, set(RULES) if codes is None else codes, project)[0]
 
 
 def fix_source(text: str, codes: set[str] | None = None, path: str | None = None) -> tuple[str, int]:
@@ -173,6 +172,7 @@ def lint_paths(
     if missing:
         raise FileNotFoundError(", ".join(missing))
     result = LintResult()
+    project = Project()  # one per run: each module parsed once, whichever file imports it
     for path in iter_python_files([Path(p) for p in paths], exclude):
         result.files += 1
         name = str(path)
@@ -188,5 +188,5 @@ def lint_paths(
                 path.write_bytes(new.encode(encoding))
                 result.fixed[name] = count
                 text = new
-        result.findings.extend(lint_source(text, name, codes))
+        result.findings.extend(lint_source(text, name, codes, project))
     return result

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import ast
 import re
-from dataclasses import dataclass
 
 # Spellings of one object -> the one name the rules use.
 _CANONICAL = {
@@ -55,8 +54,6 @@ CLIPS = frozenset(
     }
 )
 DTYPES = {"torch.float16": "fp16", "torch.bfloat16": "bf16", "torch.float32": "fp32", "torch.float64": "fp64"}
-# What torch.autocast uses when no dtype is given (torch.get_autocast_dtype's defaults).
-_DEFAULT_DTYPE = {"cuda": "fp16", "cpu": "bf16"}
 
 # opt, optim, optimizer, optimiser, alone or as a word of a snake/digit name: g_opt, optimizer2
 _OPTIMIZER_NAME = re.compile(r"(^|_)(opt|optim|optimizer|optimiser)s?\d*(_|$)|optimi[sz]er$", re.I)
@@ -88,16 +85,6 @@ def argument(call: ast.Call, index: int, name: str) -> ast.expr | None:
     return None
 
 
-@dataclass(frozen=True)
-class Autocast:
-    """One autocast constructor call. ``dtype`` is "fp16"/"bf16"/"fp32"/... or None (unknown);
-    ``enabled`` is True, False or None (decided at run time)."""
-
-    node: ast.expr
-    dtype: str | None
-    enabled: bool | None
-
-
 class Script:
     """Facts about one parsed file that every rule shares."""
 
@@ -114,8 +101,13 @@ class Script:
         self.functions: dict[str, list[ast.FunctionDef | ast.AsyncFunctionDef]] = {}
         self.methods: dict[str, list[ast.FunctionDef | ast.AsyncFunctionDef]] = {}
         self.classes: dict[str, ast.ClassDef] = {}
+        self.class_methods: dict[str, dict[str, ast.FunctionDef | ast.AsyncFunctionDef]] = {}
         self.calls: list[ast.Call] = []
         self._classdefs: list[ast.ClassDef] = []
+        # ``from .x import y as z``: z -> (level, "x", "y"); ``from . import m``: m -> (1, None, "m")
+        self.relative: dict[str, tuple[int, str | None, str]] = {}
+        self.path = None  # the file, when known (set by the engine); the project resolves imports from it
+        self.project = None  # the workspace.Project the file is linted in, or None
         for name, target in (star_aliases or {}).items():  # the file's own imports override these
             self.aliases[name] = self.module_aliases[name] = target
             self.imported_roots.add(target.split(".")[0])
@@ -140,6 +132,10 @@ class Script:
         seen: dict[str, set[str]] = {}
         module_level = {id(n) for n in _module_statements(self.tree.body)}
         for node in self.nodes:
+            if isinstance(node, ast.ImportFrom) and node.level:
+                for a in node.names:
+                    if a.name != "*":
+                        self.relative[a.asname or a.name] = (node.level, node.module, a.name)
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 top = id(node) in module_level
                 for name, target in _bindings(node):
@@ -159,6 +155,7 @@ class Script:
                 for item in node.body:
                     if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
                         self.methods.setdefault(item.name, []).append(item)
+                        self.class_methods.setdefault(node.name, {})[item.name] = item
             elif isinstance(node, ast.Call):
                 self.calls.append(node)
         methods = {id(m) for ms in self.methods.values() for m in ms}
@@ -270,54 +267,12 @@ class Script:
             return self.constant(value, None, _depth + 1)
         return None
 
-    def dtype(self, node: ast.AST | None, _depth: int = 0) -> str | None:
-        if node is None:
-            return None
-        found = DTYPES.get(self.qualname(node) or "")
-        if found is None and _depth < 3:
-            value = self.single_value(node)
-            if value is not None:
-                return self.dtype(value, _depth + 1)
-        return found
-
-    def autocast(self, node: ast.AST | None, _depth: int = 0) -> Autocast | None:
-        """The autocast a ``with`` item or decorator enters, resolving ``ctx = torch.autocast(...)``
-        and ``nullcontext() if cpu else torch.autocast(...)``; None when it is not one."""
-        if isinstance(node, ast.IfExp):
-            arms = [a for a in (self.autocast(node.body, _depth), self.autocast(node.orelse, _depth)) if a]
-            if len(arms) == 2 and arms[0].dtype != arms[1].dtype:
-                return Autocast(node, None, None)
-            return arms[0] if arms else None
-        if isinstance(node, (ast.Name, ast.Attribute)) and _depth < 3:
-            value = self.single_value(node)
-            return self.autocast(value, _depth + 1) if value is not None else None
-        if not isinstance(node, ast.Call):
-            return None
-        spec = AUTOCASTS.get(self.qualname(node.func) or "")
-        if spec is None:
-            return None
-        params, device = spec
-        if device is None:
-            device = self.constant(argument(node, 0, "device_type"))
-        dtype_arg = argument(node, params.index("dtype"), "dtype")
-        if dtype_arg is None or (isinstance(dtype_arg, ast.Constant) and dtype_arg.value is None):
-            dtype = _DEFAULT_DTYPE.get(device) if isinstance(device, str) else None
-        else:
-            dtype = self.dtype(dtype_arg)
-        enabled = self.constant(argument(node, params.index("enabled"), "enabled"), True)
-        return Autocast(node, dtype, enabled if isinstance(enabled, bool) else None)
-
     def condition(self, test: ast.expr) -> tuple[str, bool] | None:
         """(key, polarity) for an ``if`` test that reads the same value wherever it appears:
         names and attributes the file binds at most once, constants, comparisons and
         and/or/not; ``not x`` and ``x is not None`` give the key of ``x`` / ``x is None`` with
         the opposite polarity. None for anything else (a call, a subscript, a name rebound)."""
-        positive = True
-        while isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
-            test, positive = test.operand, not positive
-        if isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], (ast.IsNot, ast.NotEq)):
-            op = ast.Is() if isinstance(test.ops[0], ast.IsNot) else ast.Eq()
-            test, positive = ast.Compare(left=test.left, ops=[op], comparators=test.comparators), not positive
+        test, positive = normalized_test(test)
         for node in ast.walk(test):
             if isinstance(node, (ast.Name, ast.Attribute)):
                 k = key_of(node)
@@ -422,6 +377,17 @@ class Script:
             if target == "torch" and self.aliases.get(name) == "torch":
                 return name
         return None
+
+
+def normalized_test(test: ast.expr) -> tuple[ast.expr, bool]:
+    """(test, polarity) with leading ``not`` and ``is not``/``!=`` folded into the polarity."""
+    positive = True
+    while isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+        test, positive = test.operand, not positive
+    if isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], (ast.IsNot, ast.NotEq)):
+        op = ast.Is() if isinstance(test.ops[0], ast.IsNot) else ast.Eq()
+        test, positive = ast.Compare(left=test.left, ops=[op], comparators=test.comparators), not positive
+    return test, positive
 
 
 def _line_table(ranges, size: int) -> list:

@@ -124,12 +124,14 @@ RULES: dict[str, Rule] = {
         Rule(
             "MP110",
             "sensitive-loss-in-autocast",
-            "A custom loss defined in this file uses log/exp/sqrt/a non-constant power or a "
-            "division by a computed value, and runs under autocast: the arithmetic between "
-            "those ops stays 16-bit (an eps of 1e-8 is 0 in fp16), and on CPU log and exp are "
-            "not upcast at all.",
-            "Compute the loss outside autocast, or upcast inside it: logits.float(), or "
-            "torch.autocast(device, enabled=False) around it.",
+            "A custom loss defined in this file runs under autocast with arithmetic that stays "
+            "16-bit there: sqrt, std/var, a division by an epsilon-guarded value, an epsilon "
+            "fp16 cannot hold (an eps of 1e-8 is 0 in fp16), and, under CPU autocast, log/exp/a "
+            "non-constant power too: on CPU log and exp are not upcast at all (CPU autocast's fp32 "
+            "list has none of them), while CUDA autocast runs log, exp, pow and the norms in fp32.",
+            "Upcast the loss's inputs: loss_fn(logits.float(), target), or .float() inside the "
+            "loss. torch.autocast(device, enabled=False) around it helps only with the inputs "
+            "upcast too: disabling autocast does not convert tensors that are already 16-bit.",
         ),
         Rule(
             "MP111",

@@ -21,14 +21,31 @@ def cosine_embedding_loss(a, b, gamma):
     return (1 - sim).pow(gamma).mean()
 
 
+def distance_loss(a, b):
+    return (a - b).pow(2).sum(-1).sqrt().mean()
+
+
 criterion = DiceLoss()
 
 
-def train(model, loader, opt):
+def train_cpu(model, loader, opt):
+    # CPU autocast's fp32 list has none of log, pow, norm: every loss above runs in bf16
     for x, y in loader:
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
             logits = model(x)
             loss = focal_loss(logits, y) + criterion(logits, y)  # expect: MP110, MP110
             loss = loss + cosine_embedding_loss(logits, y, 2.0)  # expect: MP110
         loss.backward()
         opt.step()
+
+
+def train_cuda(model, loader, opt, scaler):
+    # CUDA runs log, pow and the norms in fp32; sqrt stays fp16, and fp16 cannot hold eps=1e-8
+    for x, y in loader:
+        with torch.autocast("cuda", dtype=torch.float16):
+            logits = model(x)
+            loss = focal_loss(logits, y) + criterion(logits, y)  # expect: MP110
+            loss = loss + cosine_embedding_loss(logits, y, 2.0) + distance_loss(logits, y)  # expect: MP110
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()

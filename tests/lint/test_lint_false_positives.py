@@ -1,0 +1,129 @@
+"""Patterns from real training code that the rules used to report wrongly (issue 31, item 4)."""
+
+from __future__ import annotations
+
+import textwrap
+
+from mixprec.lint import lint_source
+
+
+def codes(source: str, only: str | None = None) -> list[tuple[int, str]]:
+    found = [(f.line, f.code) for f in lint_source(textwrap.dedent(source))]
+    return [x for x in found if only is None or x[1] == only]
+
+
+def test_a_loggers_log_method_in_a_loss_is_not_torch_log():
+    source = """
+    import torch
+    import torch.nn.functional as F
+
+    class Trainer:
+        def compute_loss(self, out, y):
+            loss = F.cross_entropy(out, y)
+            self.logger.log({"train/loss": loss.item()})
+            self.log("loss", loss)  # Lightning's LightningModule.log
+            return loss
+
+        def train_step(self, x, y):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = self.model(x)
+                loss = self.compute_loss(out, y)
+            loss.backward()
+    """
+    assert codes(source, "MP110") == []
+
+
+def test_a_tensor_log_in_a_loss_is_still_found_next_to_a_logger():
+    source = """
+    import torch
+
+    class Trainer:
+        def compute_loss(self, p, y):
+            self.logger.log({"p": p.mean().item()})
+            return -(y * p.log()).mean()
+
+        def train_step(self, x, y):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = self.compute_loss(self.model(x), y)
+            loss.backward()
+    """
+    assert codes(source, "MP110") == [(11, "MP110")]
+
+
+FOCAL = """
+import torch
+
+def focal_loss(logits, target, gamma):
+    p = torch.sigmoid(logits)
+    return ((1 - p) ** gamma * torch.log(p)).mean()
+
+def train(model, x, y, opt):
+    with torch.autocast({device}, dtype=torch.bfloat16):
+        loss = focal_loss(model(x), y, 2.0)
+    loss.backward()
+    opt.step()
+"""
+
+
+def test_pow_and_log_run_in_fp32_under_cuda_autocast_so_a_loss_of_them_is_not_16_bit():
+    # both ops are on CUDA autocast's fp32 list: the loss is computed in fp32 already
+    assert codes(FOCAL.format(device='"cuda"'), "MP110") == []
+
+
+def test_pow_and_log_stay_16_bit_under_cpu_autocast():
+    # CPU autocast's fp32 list has neither: they run in bf16 there
+    assert codes(FOCAL.format(device='"cpu"'), "MP110") == [(10, "MP110")]
+
+
+def test_sqrt_and_a_tiny_epsilon_stay_16_bit_under_cuda_fp16_autocast():
+    source = """
+    import torch
+
+    def dist_loss(a, b):
+        return (a - b).pow(2).sum(-1).sqrt().mean()
+
+    def ratio_loss(a, b):
+        return (a / (b + 1e-8)).mean()
+
+    def train(model, x, y, opt, scaler):
+        with torch.autocast("cuda", dtype=torch.float16):
+            out = model(x)
+            loss = dist_loss(out, y) + ratio_loss(out, y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    """
+    assert codes(source, "MP110") == [(13, "MP110"), (13, "MP110")]
+
+
+def test_update_with_a_new_scale_sets_the_scale_and_is_not_a_second_update():
+    source = """
+    import torch
+    scaler = torch.amp.GradScaler("cuda")
+    for x in loader:
+        with torch.autocast("cuda"):
+            loss = model(x)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        if scaler.get_scale() > 32768.0:
+            scaler.update(32768.0)  # cap the scale: documented, needs no inf checks
+        if scaler.get_scale() < 1.0:
+            scaler.update(new_scale=1.0)
+    """
+    assert codes(source, "MP105") == []
+
+
+def test_two_plain_updates_in_one_step_are_still_reported():
+    source = """
+    import torch
+    scaler = torch.amp.GradScaler("cuda")
+    for x in loader:
+        with torch.autocast("cuda"):
+            loss = model(x)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        scaler.update()
+    """
+    assert codes(source, "MP105") == [(10, "MP105")]
