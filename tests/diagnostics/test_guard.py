@@ -418,3 +418,31 @@ def test_a_non_finite_value_dropped_inside_the_forward_is_contained_not_raised()
         F.mse_loss(net(torch.ones(2, 4)), torch.zeros(2, 4)).backward()
     assert g.events == [] and len(g.contained) == 1
     assert (g.contained[0].op, g.contained[0].kind) == ("log", "inf")
+
+
+class InPlaceOverflow(nn.Module):
+    """The first op's output is finite; an in-place op later makes it infinite."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.act = nn.ReLU(inplace=True)  # passes inplace as a keyword: F.relu(x, inplace=True)
+        self.drop = nn.Dropout(0.0, inplace=True)  # passes it positionally: F.dropout(x, p, training, True)
+
+    def forward(self, x):
+        h = self.drop(self.act(self.lin(x)))
+        h[0, 0] = 1.0
+        h.mul_(1e30)  # finite
+        h.mul_(1e30)  # overflows fp32: the producer
+        return h
+
+
+def test_a_value_overwritten_in_place_is_measured_before_the_op_that_overwrites_it():
+    # Small tensors are measured lazily at the check; an in-place op must not change what an
+    # earlier op is recorded to have made (the first mul_ would be blamed for the second's inf).
+    net = InPlaceOverflow()
+    with nan_guard(net, "record") as g:
+        net(torch.ones(2, 4))
+    ev = g.first
+    assert (ev.module, ev.op, ev.kind, ev.origin) == ("", "mul", "inf", "producer")  # (op names drop the _)
+    assert ev.inputs[0].finite and ev.inputs[0].max >= 1e30  # what the second mul_ received: h after the first

@@ -99,3 +99,45 @@ def test_scan_finds_float_tensors_in_order_and_the_floats_asked_for():
     assert [t.numel() for t in tensors] == [1, 2, 3] and (nan, inf) == (False, True)
     assert _scan((a,), {"out": [float("nan")]})[1:] == (True, False)  # floats under out= still count
     assert _scan((), {}) == ([], False, False)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.randn(7, 5),
+    lambda: torch.randn(5, 7).t(),
+    lambda: torch.randn(4, 4, dtype=torch.float64),
+    lambda: torch.randn(4, 4).to(torch.bfloat16),
+    lambda: torch.randn(4, 4).half() * 60000,  # its fp16 2-norm would overflow; the screen sums in fp32
+    lambda: torch.tensor([[1.0, float("nan")], [3.0, 4.0]]),
+    lambda: torch.tensor([[1.0, float("-inf")], [3.0, 4.0]]),
+    lambda: torch.full((3,), 3e38),  # finite, but its 2-norm overflows: measured exactly, still finite
+])
+def test_lazy_ranges_equal_eager_ones(make):
+    t = make()
+    eager, lazy = StatsBuffer(), StatsBuffer(lazy=True)
+    e, lz = eager.add(t), lazy.add(t)
+    assert lazy._lazy and not eager._lazy
+    a, b = eager.read(), lazy.read()
+    assert a.all_finite == b.all_finite and a.nonfinite == b.nonfinite
+    ra, rb = a[e], b[lz]
+    assert (ra.nan, ra.inf) == (rb.nan, rb.inf)
+    if not ra.nan:
+        assert (ra.min, ra.max) == (rb.min, rb.max)
+
+
+def test_a_lazy_value_forced_before_an_in_place_write_keeps_its_old_range():
+    buf = StatsBuffer(lazy=True)
+    t = torch.ones(3)
+    i = buf.add(t)
+    buf.force(t)  # what the tracer does before an in-place op
+    t.mul_(float("inf"))
+    j = buf.add(t)  # a new version: a new slot
+    r = buf.read()
+    assert i != j and r[i].finite and r[j].inf
+
+
+def test_a_lazy_value_changed_behind_the_buffers_back_is_measured_as_it_is_now():
+    buf = StatsBuffer(lazy=True)
+    t = torch.ones(3)
+    i = buf.add(t)
+    t.mul_(float("nan"))  # not forced: its version moved
+    assert buf.read()[i].nan

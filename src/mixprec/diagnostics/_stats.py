@@ -54,18 +54,33 @@ class TensorRange:
         return f"{dt}[{shape}] in [{self.min:.4g}, {self.max:.4g}]"
 
 
+# Tensors up to this many elements are measured lazily (see StatsBuffer): on a CPU a reduction over
+# a small tensor costs its fixed overhead (~4 us), and a model of small tensors makes hundreds.
+LAZY_NUMEL = 1 << 16
+
+
 class StatsBuffer:
     """min/max of many tensors, computed where they live and read back in one transfer.
 
     ``add`` returns an index. A tensor already measured (same object, same version counter) is
     not measured again: a module's input is usually the previous op's output.
+
+    With ``lazy``, a small tensor (``LAZY_NUMEL`` elements or fewer) is not reduced when added: it is
+    kept, and ``read`` screens all of them with one ``_foreach_norm`` (an fp32 2-norm is finite
+    exactly when the tensor is, barring overflow, which the exact check that follows catches).
+    Only the ones that screen non-finite get their exact range then; the others get theirs when a
+    ``Ranges`` index is asked for (the producer's inputs, on the rare path). Keeping the tensor
+    means its value must not change before ``read``: ``force`` measures it first (the tracer calls
+    it before an in-place op), and a tensor whose version moved anyway is measured as it is now.
     """
 
-    def __init__(self, finite_only: bool = False) -> None:
+    def __init__(self, finite_only: bool = False, lazy: bool = False) -> None:
         self.finite_only = finite_only  # ranges of the finite values only: (0, largest finite |x|)
-        self._vals: list[torch.Tensor] = []
+        self.lazy = lazy and not finite_only
+        self._vals: list[torch.Tensor | None] = []
         self._meta: list[tuple[torch.dtype, tuple[int, ...]]] = []
         self._cache: dict[int, tuple[weakref.ref, int, int]] = {}
+        self._lazy: dict[int, tuple[torch.Tensor, int]] = {}  # index -> (tensor, its version when added)
 
     def __len__(self) -> int:
         return len(self._meta)
@@ -89,28 +104,56 @@ class StatsBuffer:
                 version = t._version
             except RuntimeError:  # inference tensors have no version counter
                 cache = False
+        idx = len(self._meta)
+        self._meta.append((t.dtype, t.shape))
+        if self.lazy and t.numel() <= LAZY_NUMEL and t.dtype not in _FP8 and cache:
+            self._lazy[idx] = (t, version)
+            self._vals.append(None)
+            self._vals.append(None)
+        else:
+            lo, hi = self._measure(t)
+            self._vals.append(lo)
+            self._vals.append(hi)
+        if cache:
+            self._cache[id(t)] = (weakref.ref(t), version, idx)
+        return idx
+
+    def _measure(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         m = t.detach() if t.is_contiguous() else _dense_view(t.detach())
         if t.dtype in _FP8:  # the fp8 linears' operands: no reduction kernels for fp8, exact in fp32
             m = m.float()
         if self.finite_only:
             hi = torch.nan_to_num(m.abs(), nan=0.0, posinf=0.0).amax()
-            lo = torch.zeros_like(hi)
-        else:
-            lo, hi = torch.aminmax(m)  # detach, not no_grad(): a context costs more than the op here
-        idx = len(self._meta)
-        self._vals.append(lo)
-        self._vals.append(hi)
-        self._meta.append((t.dtype, t.shape))
-        if cache:
-            self._cache[id(t)] = (weakref.ref(t), version, idx)
-        return idx
+            return torch.zeros_like(hi), hi
+        return torch.aminmax(m)  # detach, not no_grad(): a context costs more than the op here
+
+    def force(self, t: torch.Tensor) -> None:
+        """Measure ``t`` now if it waits lazily (before an op overwrites it in place)."""
+        hit = self._cache.get(id(t))
+        if hit is None or hit[0]() is not t:
+            return
+        kept = self._lazy.pop(hit[2], None)
+        if kept is not None:
+            lo, hi = self._measure(t)
+            self._vals[2 * hit[2]] = lo
+            self._vals[2 * hit[2] + 1] = hi
 
     def read(self) -> "Ranges":
         """Every range added so far, in order (the one host sync), and empty the buffer."""
-        vals, meta = self._vals, self._meta
-        self._vals, self._meta, self._cache = [], [], {}
+        vals, meta, lazy = self._vals, self._meta, self._lazy
+        self._vals, self._meta, self._cache, self._lazy = [], [], {}, {}
         if not meta:
             return Ranges([], [])
+        pending: dict[int, torch.Tensor] = {}
+        if lazy:
+            with torch.no_grad():
+                items = list(lazy.items())
+                for (i, (t, version)), n in zip(items, _screen([t for _, (t, _) in items])):
+                    if math.isfinite(n) and _version(t) == version:
+                        pending[i] = t  # finite: its range is measured if anyone asks for it
+                        vals[2 * i] = vals[2 * i + 1] = _ZERO
+                    else:  # non-finite (or an overflowing norm, or changed since): measured exactly now
+                        vals[2 * i], vals[2 * i + 1] = self._measure(t)
         devices = {v.device for v in vals}
         if len(devices) == 1:
             # stack promotes to the widest dtype present: 16-bit values, inf and NaN survive exactly
@@ -121,7 +164,32 @@ class StatsBuffer:
                 idxs = [i for i, v in enumerate(vals) if v.device == dev]
                 for i, v in zip(idxs, torch.stack([vals[i] for i in idxs]).cpu().tolist()):
                     flat[i] = v
-        return Ranges(flat, meta)
+        return Ranges(flat, meta, pending)
+
+
+_ZERO = torch.zeros(())  # a finite stand-in for a lazy range not measured (Ranges measures it on demand)
+
+
+def _screen(tensors: list[torch.Tensor]) -> list[float]:
+    """A 2-norm of each tensor, accumulated in fp32 (fp64 kept): finite exactly when the tensor is,
+    or an overflow. One ``_foreach_norm`` and one read (per dtype class)."""
+    wide = [i for i, t in enumerate(tensors) if t.dtype == torch.float64]
+    if not wide:
+        return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32)).cpu().tolist()
+    out = [0.0] * len(tensors)
+    narrow = [i for i in range(len(tensors)) if tensors[i].dtype != torch.float64]
+    for idx, kw in ((wide, {}), (narrow, {"dtype": torch.float32})):
+        if idx:
+            for i, v in zip(idx, torch.stack(torch._foreach_norm([tensors[i] for i in idx], 2, **kw)).cpu().tolist()):
+                out[i] = v
+    return out
+
+
+def _version(t: torch.Tensor) -> int:
+    try:
+        return t._version
+    except RuntimeError:  # inference tensors have no version counter
+        return -1
 
 
 def _dense_view(t: torch.Tensor) -> torch.Tensor:
@@ -139,13 +207,15 @@ class Ranges(Sequence):
     finite (``all_finite``, the usual step) builds none.
     """
 
-    __slots__ = ("_flat", "_meta", "_built", "_bad")
+    __slots__ = ("_flat", "_meta", "_built", "_bad", "_pending")
 
-    def __init__(self, flat: list[float], meta: list[tuple[torch.dtype, Any]]) -> None:
+    def __init__(self, flat: list[float], meta: list[tuple[torch.dtype, Any]],
+                 pending: dict[int, torch.Tensor] | None = None) -> None:
         self._flat = flat
         self._meta = meta
         self._built: dict[int, TensorRange] = {}
         self._bad: dict[int, tuple[bool, bool]] | None = None
+        self._pending = pending or {}  # lazily measured tensors that screened finite
 
     def __len__(self) -> int:
         return len(self._meta)
@@ -158,6 +228,12 @@ class Ranges(Sequence):
         r = self._built.get(i)
         if r is None:
             dt, shape = self._meta[i]  # IndexError past the end, as a list
+            t = self._pending.pop(i, None)
+            if t is not None:  # screened finite, not measured yet
+                with torch.no_grad():
+                    m = t.float() if t.dtype in _FP8 else t
+                    lo, hi = torch.aminmax(m if m.is_contiguous() else m.contiguous())
+                    self._flat[2 * i], self._flat[2 * i + 1] = float(lo), float(hi)
             r = self._built[i] = TensorRange(dt, tuple(shape), self._flat[2 * i], self._flat[2 * i + 1])
         return r
 

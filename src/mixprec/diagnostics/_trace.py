@@ -31,23 +31,10 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from mixprec.diagnostics._stats import StatsBuffer, TensorRange, _is_float, _scalar_flags, floating_tensors
+from mixprec.diagnostics._ops import PASS_THROUGH, _INPLACE_FLAG, _cached_op_name, _force_inplace, _scan, _writes_in_place, op_name
+from mixprec.diagnostics._stats import StatsBuffer, TensorRange, _is_float, floating_tensors
 
 __all__ = ["ModuleCall", "Record", "StatsBuffer", "TensorRange", "Tracer", "floating_tensors", "hook_count", "op_name"]
-
-# Ops that cannot create a non-finite value from finite inputs (views, metadata, copies of
-# layout) or whose output is uninitialised memory (empty*): never checked. Keeping the forward
-# cheap matters: these are a large share of the calls in a transformer.
-_PASS_THROUGH_NAMES = (
-    """__get__ __set__ size dim numel stride storage_offset data_ptr is_floating_point is_complex
-    is_contiguous __len__ __bool__ __format__ __repr__ __iter__ __hash__ __index__ __int__ __float__
-    item tolist requires_grad_ retain_grad register_hook backward view view_as reshape reshape_as
-    transpose permute t mT T split split_with_sizes chunk unbind tensor_split __getitem__ __setitem__
-    expand expand_as contiguous flatten unflatten squeeze unsqueeze detach detach_ narrow select
-    movedim moveaxis as_strided unfold diagonal repeat_interleave broadcast_to broadcast_tensors
-    empty empty_like empty_strided new_empty new_empty_strided cpu cuda pin_memory
-    __reduce_ex__ __deepcopy__ __setstate__ untyped_storage _typed_storage""".split()
-)
 
 # Backward nodes that only move a gradient around (views, transposes, splits, clones): they cannot
 # make a non-finite value from finite ones, and in a transformer they are over half of all nodes,
@@ -63,6 +50,7 @@ _TORCH_DIR = os.path.dirname(torch.__file__)
 _MIXPREC_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _TASKS_DIR = os.path.join(_MIXPREC_DIR, "tasks")  # the built-in task is user code for this purpose
 _USER_CODE: dict[Any, bool] = {}  # code object -> outside torch and mixprec? (a dict lookup per frame)
+_WHERE: dict[tuple[Any, int], str] = {}  # (code, line) -> "file.py:LINE in function": formatted once
 _MARK = "mixprec.diagnostics"  # prefix of our keys in autograd nodes' metadata
 _TOKENS = itertools.count(1)
 
@@ -70,23 +58,9 @@ _TOKENS = itertools.count(1)
 # pass through a Python mode costs microseconds (hooks run while the mode is live).
 _quiet = torch._C.DisableTorchFunction
 
-
-def op_name(func: Any) -> str:
-    """A short readable name: ``Tensor.__matmul__`` -> ``matmul``, ``__truediv__`` -> ``div``."""
-    name = getattr(func, "__name__", None) or str(func)
-    name = name.strip("_")
-    return {"truediv": "div", "rtruediv": "rdiv", "itruediv": "div_", "iadd": "add_", "isub": "sub_",
-            "imul": "mul_", "rpow": "pow", "rmul": "mul", "radd": "add"}.get(name, name)
-
-
-# Looked up by op_name: "__get__" (a property read such as ``p.grad`` or ``x.T``) is "get" here.
-# (Matched against the raw names it never hit: property reads went through the checks, and reading
-# a loss-scaled gradient that had overflowed, ``p.grad`` in the step, was taken for an op that made
-# an infinity from finite inputs.)
-_PASS_THROUGH = frozenset(op_name(n) for n in _PASS_THROUGH_NAMES)
-
 _ACCUMULATE, _LAYOUT, _HOOKED = 0, 1, 2
 _NODE_KINDS: dict[type, int] = {}
+_NODE_NAMES: dict[type, str] = {}  # node class -> its name() (a custom Function's node class is its own)
 
 
 def _node_kind(cls: type) -> int:
@@ -149,54 +123,6 @@ class _NodeInfo:
         self.consumed = False
 
 
-_OP_NAMES: dict[Any, str] = {}  # func -> op_name(func): the mode sees the same few hundred funcs
-
-
-def _cached_op_name(func: Any) -> str:
-    try:
-        name = _OP_NAMES.get(func)
-    except TypeError:  # an unhashable callable
-        return op_name(func)
-    if name is None:
-        name = op_name(func)
-        if len(_OP_NAMES) < 4096:  # bounded: a func bound to an object must not keep it alive forever
-            _OP_NAMES[func] = name
-    return name
-
-
-def _scan(args: tuple, kwargs: dict) -> tuple[list[torch.Tensor], bool, bool]:
-    """One pass over an op's arguments: its floating-point tensors (``out=`` left out) and whether
-    a Python float among them is NaN or infinite (``masked_fill(m, -inf)`` asks for an infinity)."""
-    tensors: list[torch.Tensor] = []
-    nan = inf = False
-    stack = list(args)
-    if kwargs:
-        stack.extend(v for k, v in kwargs.items() if k != "out")
-        out = kwargs.get("out")
-        if out is not None:  # its floats still count as asked for; its tensors are not inputs
-            n, i = _scalar_flags(out)
-            nan, inf = nan or n, inf or i
-    while stack:
-        v = stack.pop()
-        if isinstance(v, torch.Tensor):
-            if v.is_floating_point():
-                tensors.append(v)
-        elif isinstance(v, float):
-            if v != v:
-                nan = True
-            elif v in _INFS:
-                inf = True
-        elif isinstance(v, (list, tuple)):
-            stack.extend(v)
-        elif isinstance(v, dict):
-            stack.extend(v.values())
-    tensors.reverse()  # popped from the end: back into argument order
-    return tensors, nan, inf
-
-
-_INFS = (float("inf"), float("-inf"))
-
-
 class _OpMode(TorchFunctionMode):
     def __init__(self, tracer: "Tracer") -> None:
         super().__init__()
@@ -207,9 +133,12 @@ class _OpMode(TorchFunctionMode):
         if kwargs is None:
             kwargs = {}
         name = _cached_op_name(func)
-        if name in _PASS_THROUGH:
-            return func(*args, **kwargs)
         tr = self.tracer
+        if tr.stats.lazy and (_writes_in_place(func) or (kwargs and ("out" in kwargs or kwargs.get("inplace") is True))
+                              or (name in _INPLACE_FLAG and args and args[-1] is True)):
+            _force_inplace(tr.stats, args, kwargs)  # a value kept for later must be measured before it is overwritten
+        if name in PASS_THROUGH:
+            return func(*args, **kwargs)
         call = tr.stack[-1] if tr.stack else None
         if call is None and not (tr.outside_modules and torch.is_grad_enabled()):
             return func(*args, **kwargs)
@@ -245,6 +174,7 @@ class Tracer:
             computed in a ``with`` block), as long as grad mode is on (so optimizer steps are not).
         locate_ops: note the source line of each op (file:line in function).
         finite_only: measure the largest finite magnitude instead of the range (ignores the -inf of a mask).
+        lazy: measure small tensors at the check, in one batch, not when they are made (``StatsBuffer``).
         on_forward_end / on_backward_start / on_backward_end: callbacks (the guard's checks).
     """
 
@@ -257,6 +187,7 @@ class Tracer:
         outside_modules: bool = False,
         locate_ops: bool = True,
         finite_only: bool = False,
+        lazy: bool = False,
         on_forward_end: Callable[[], None] | None = None,
         on_backward_start: Callable[[], None] | None = None,
         on_backward_end: Callable[[], None] | None = None,
@@ -269,7 +200,7 @@ class Tracer:
         self.on_forward_end = on_forward_end
         self.on_backward_start = on_backward_start
         self.on_backward_end = on_backward_end
-        self.stats = StatsBuffer(finite_only)
+        self.stats = StatsBuffer(finite_only, lazy=lazy)
         self.records: list[Record] = []
         self.stack: list[ModuleCall] = []
         self.forward_calls = 0  # completed calls of the root module
@@ -392,7 +323,11 @@ class Tracer:
                 if via_edge:  # a watched op uses this node's output: its gradient comes from us
                     mark.consumed = True
                 continue
-            info = meta[key] = _NodeInfo(self._token, call, op, n.name(), where)
+            cls = type(n)
+            name = _NODE_NAMES.get(cls)
+            if name is None:
+                name = _NODE_NAMES[cls] = n.name()
+            info = meta[key] = _NodeInfo(self._token, call, op, name, where)
             todo.extend((f, True) for f, _ in n.next_functions)
             if kind == _HOOKED:
                 self._node_handles.append(n.register_hook(functools.partial(self._on_node, info)))
@@ -445,7 +380,13 @@ class Tracer:
                 user = _USER_CODE[code] = not fn.startswith(_TORCH_DIR) and (
                     not fn.startswith(_MIXPREC_DIR) or fn.startswith(_TASKS_DIR))
             if user:
-                return f"{os.path.basename(code.co_filename)}:{f.f_lineno} in {code.co_name}"
+                key = (code, f.f_lineno)
+                text = _WHERE.get(key)
+                if text is None:
+                    text = f"{os.path.basename(code.co_filename)}:{key[1]} in {code.co_name}"
+                    if len(_WHERE) < 65536:
+                        _WHERE[key] = text
+                return text
             f = f.f_back
         return None
 

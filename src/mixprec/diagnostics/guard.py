@@ -209,7 +209,7 @@ class NanGuard:
         self.fp8_saturations: list[Fp8Saturation] = []
         self._fp8 = SaturationWatch.for_model(model)
         self._tracer = Tracer(
-            model, ops=ops, backward=backward, locate_ops=locate,
+            model, ops=ops, backward=backward, locate_ops=locate, lazy=True,
             on_forward_end=self._forward_end, on_backward_start=self._backward_start,
             on_backward_end=self._backward_end,
         )
