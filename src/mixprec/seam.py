@@ -27,7 +27,8 @@ class Local:
     ``prepare(model)`` does (``masters=False``: without the facade's master weights, for a strategy
     whose shards are the masters). ``masters`` is the facade's master-weight strategy (None when
     the recipe stores fp32 parameters); ``parallel`` tells whether this facade already trains a
-    distributed model.
+    distributed model; ``fp8_spec`` / ``fp8_state()`` what an fp8 recipe swaps in and, after ``apply``,
+    the state of its fp8 layers.
     """
 
     recipe: Any
@@ -38,6 +39,8 @@ class Local:
     masters: Any
     apply: Callable[..., nn.Module]
     parallel: bool
+    fp8_spec: Any = None  # an fp8 recipe's Fp8Spec (the ranks agree on it), else None
+    fp8_state: Callable[[], Any] = lambda: None  # after apply: the fp8 layers' state (mixprec.fp8.Fp8Training) or None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -142,7 +142,8 @@ class MixedPrecision:
             return self._prepare(model)
         from mixprec.distributed.prepare import plug  # a capability: the strategy (mixprec.seam), loaded when asked for
         plugged = plug(model, parallel, Local(self.recipe, self.device, self.scaler, self.accumulate, self.fp32_modules,
-                                              self.masters, self._prepare, self._dist is not None))
+                                              self.masters, self._prepare, self._dist is not None, self.fp8_spec,
+                                              lambda: self.fp8))
         self._dist, self.masters = plugged.strategy, plugged.masters
         return plugged.model
 

@@ -69,8 +69,9 @@ def wrap(mp: Any, model: nn.Module, cfg: Any) -> tuple[nn.Module, nn.Module]:
         kwargs["bucket_cap_mb"] = cfg.bucket_cap_mb
     if mp.device.type == "cuda":
         kwargs["device_ids"] = [mp.device.index if mp.device.index is not None else torch.cuda.current_device()]
-    if mp.fp8 is not None:  # fp8 scaling state: reduced over the ranks by mixprec.fp8.dist, never broadcast from rank 0
-        ignored = [*getattr(local, "_ddp_params_and_buffers_to_ignore", ()), *mp.fp8.buffer_names()]
+    fp8 = mp.fp8_state()
+    if fp8 is not None:  # fp8 scaling state: reduced over the ranks by mixprec.fp8.dist, never broadcast from rank 0
+        ignored = [*getattr(local, "_ddp_params_and_buffers_to_ignore", ()), *fp8.buffer_names()]
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(local, ignored)
     wrapped = DistributedDataParallel(local, **kwargs)
     if mp.masters is not None:
