@@ -78,7 +78,8 @@ def _torch_fp8_linear(scaling, fmt="hybrid", history=4, algo="max", margin=0, se
 
     torch.manual_seed(seed)
     lin = nn.Linear(n_in, n_out, bias=False)
-    spec = Fp8Spec(scaling, format=fmt, amax_history_len=history, amax_compute_algo=algo, margin=margin)
+    delayed = {"amax_history_len": history, "amax_compute_algo": algo, "margin": margin} if scaling == "delayed" else {}
+    spec = Fp8Spec(scaling, format=fmt, **delayed)  # (the delayed-only options are refused under other scalings)
     return convert_(lin, TorchFp8Config.from_spec(spec, "emulate"), "lin", history)
 
 
