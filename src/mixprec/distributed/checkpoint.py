@@ -123,7 +123,7 @@ def _on_rank0(fn: Callable[[], Any], doing: str) -> Any:
     return value
 
 
-def _dcp(fn: Any, state: dict[str, Any], path: Path) -> Any:
+def _dcp(fn: Any, state: dict[str, Any], path: Path, **kwargs: Any) -> Any:
     """``dcp.save`` / ``dcp.load``; on one process without a process group (and without DCP's
     warnings that it assumes one process, which is what was meant, or that it overwrites: it never
     does here, every save gets a fresh directory)."""
@@ -134,7 +134,7 @@ def _dcp(fn: Any, state: dict[str, Any], path: Path) -> Any:
         if no_dist:
             warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
         try:
-            return fn(state, checkpoint_id=str(path), no_dist=no_dist)
+            return fn(state, checkpoint_id=str(path), no_dist=no_dist, **kwargs)
         except CheckpointException as e:  # a BaseException: turned into an Exception saying what went wrong
             raise CheckpointError(_failures(e)) from None
 
@@ -216,6 +216,8 @@ def save_checkpoint(path: str | Path, *, model: nn.Module, optimizer: Any, mp: A
     checkpoints or the save fails; the previous checkpoint stays what ``latest`` names."""
     import torch.distributed.checkpoint as dcp
 
+    from mixprec.distributed import checkpoint_io
+
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
         raise ValueError(f"keep must be a positive integer (how many checkpoints to keep) or None (all), got {keep!r}")
     opts = _opts(optimizer)
@@ -226,9 +228,10 @@ def save_checkpoint(path: str | Path, *, model: nn.Module, optimizer: Any, mp: A
     layout._fault_point("save:begin")
     files: dict[str, Any] = {}
     try:
-        _dcp(dcp.save, state, tmp)
+        storage = checkpoint_io.writer(tmp)  # (sizes and CRC-32 computed as the files are written)
+        _dcp(dcp.save, state, tmp, storage_writer=storage)
         layout._fault_point("save:written")
-        for part in _all_gather(layout.digest_files(tmp, layout.files_of_rank(tmp, rank))):
+        for part in _all_gather(checkpoint_io.digests(storage, tmp, layout.files_of_rank(tmp, rank))):
             files.update(part)
     except (CheckpointError, RuntimeError) as e:  # (RuntimeError: a collective failed, another rank stopped?)
         raise CheckpointError(f"saving into {tmp} failed ({type(e).__name__}: {_first_line(e)}). Nothing was "
@@ -277,13 +280,16 @@ def _check_every_file_seen(tmp: Path, files: dict[str, Any]) -> None:
 # ---------------------------------------------------------------------------- load
 
 
-def load_checkpoint(path: str | Path, *, model: nn.Module, optimizer: Any, mp: Any, scheduler: Any = None) -> str:
+def load_checkpoint(path: str | Path, *, model: nn.Module, optimizer: Any, mp: Any, scheduler: Any = None,
+                    checksums: bool = True) -> str:
     """Load a checkpoint ``save_checkpoint`` wrote into ``model``, ``optimizer``, ``mp`` (and
     ``scheduler``), prepared as for training (``mp.prepare(model, parallel=...)``, the optimizer over
     ``mp.parameters(model)``). ``path``: the path given to ``save_checkpoint`` (its ``latest``
     checkpoint is loaded) or one ``step-N`` directory in it. Call on every rank. Returns the
     directory loaded. Raises ``CheckpointError`` on every rank alike, with nothing changed, when
-    the checkpoint is incomplete or damaged or does not fit this model, optimizer or layout."""
+    the checkpoint is incomplete or damaged or does not fit this model, optimizer or layout.
+    ``checksums=False`` checks the files' sizes against the manifest but not their CRC-32 (which
+    reads every file once more, split over the ranks, before DCP reads it)."""
     import torch.distributed.checkpoint as dcp
 
     opts = _opts(optimizer)
@@ -292,7 +298,8 @@ def load_checkpoint(path: str | Path, *, model: nn.Module, optimizer: Any, mp: A
     def whole() -> Path:  # which checkpoint, and is it whole (every rank stats every file, checksums its share)
         directory = layout.resolve(Path(path))
         marker = layout.read_marker(directory)
-        bad = layout.check_files(directory, marker, checksum=sorted(marker.get("files") or {})[rank::world])
+        share = sorted(marker.get("files") or {})[rank::world] if checksums else []
+        bad = layout.check_files(directory, marker, checksum=share)
         if bad:
             raise CheckpointError(checks.damaged(directory, bad))
         checks.check_layout(directory, marker, _layout(mp), scheduler)
