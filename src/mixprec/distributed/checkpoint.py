@@ -125,8 +125,8 @@ def _on_rank0(fn: Callable[[], Any], doing: str) -> Any:
 
 def _dcp(fn: Any, state: dict[str, Any], path: Path, **kwargs: Any) -> Any:
     """``dcp.save`` / ``dcp.load``; on one process without a process group (and without DCP's
-    warnings that it assumes one process, which is what was meant, or that it overwrites: it never
-    does here, every save gets a fresh directory)."""
+    warning that it assumes one process, which is what was meant). DCP's failures, reported on
+    every rank as its ``CheckpointException``, become ``CheckpointError``."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     no_dist = _no_dist()
