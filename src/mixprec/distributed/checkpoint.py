@@ -140,16 +140,27 @@ def _dcp(fn: Any, state: dict[str, Any], path: Path, **kwargs: Any) -> Any:
 
 
 def _failures(e: Any) -> str:
-    parts = []
-    for rank, (exc, _trace) in sorted(getattr(e, "failures", {}).items()):
-        text = str(exc).strip().splitlines()
-        parts.append(f"rank {rank}: {type(exc).__name__}: {text[0][:300] if text else ''}")
-    return "; ".join(parts) or str(e).splitlines()[0]
+    parts = [f"on rank {rank}: {type(exc).__name__}: {_first_line(exc)}"
+             for rank, (exc, _trace) in sorted(getattr(e, "failures", {}).items())]
+    return "; ".join(parts) or _first_line(e)
 
 
-def _first_line(e: BaseException) -> str:
+def _first_line(e: BaseException, limit: int = 400) -> str:
+    """The first line of an exception's message, cut at a sentence end when it is long."""
     lines = str(e).strip().splitlines()
-    return lines[0][:400] if lines else ""
+    line = lines[0] if lines else ""
+    if len(line) <= limit:
+        return line
+    end = line.rfind(". ", 0, limit)
+    return line[: end + 1] if end > 0 else line[:limit] + "..."
+
+
+def _describe_failure(e: BaseException) -> str:
+    """DCP's own failures name the rank ("on rank 1: ..."); an error outside them (DCP turns its
+    ranks' exceptions into CheckpointException) came from a collective: a rank that stopped."""
+    if isinstance(e, CheckpointError):
+        return str(e)
+    return f"in a collective, {type(e).__name__}: {_first_line(e)} (did another rank stop?)"
 
 
 def _opts(optimizer: Any) -> list[torch.optim.Optimizer]:
@@ -234,9 +245,9 @@ def save_checkpoint(path: str | Path, *, model: nn.Module, optimizer: Any, mp: A
         for part in _all_gather(checkpoint_io.digests(storage, tmp, layout.files_of_rank(tmp, rank))):
             files.update(part)
     except (CheckpointError, RuntimeError) as e:  # (RuntimeError: a collective failed, another rank stopped?)
-        raise CheckpointError(f"saving into {tmp} failed ({type(e).__name__}: {_first_line(e)}). Nothing was "
-                              f"published: {root}/latest still names the previous checkpoint, and the next save "
-                              "removes this partial one") from None
+        raise CheckpointError(f"saving into {tmp} failed {_describe_failure(e)}. Nothing was published: "
+                              f"{root}/latest still names the previous checkpoint, and the next save removes this "
+                              "partial one") from None
     layout._fault_point("save:manifest")
     meta, step = state["mixprec"]["meta"], int(mp._steps)
 
@@ -314,8 +325,7 @@ def load_checkpoint(path: str | Path, *, model: nn.Module, optimizer: Any, mp: A
         try:
             _dcp(dcp.load, staged, directory)
         except (CheckpointError, RuntimeError) as e:
-            raise CheckpointError(f"reading {directory} failed ({type(e).__name__}: {_first_line(e)}); nothing was "
-                                  "loaded") from None
+            raise CheckpointError(f"reading {directory} failed {_describe_failure(e)}; nothing was loaded") from None
 
         def readable() -> list[Any] | None:
             saved_opts = _unblob(staged["optimizer"]["blob"]) if "blob" in staged["optimizer"] else None
