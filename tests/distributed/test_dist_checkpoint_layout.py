@@ -93,6 +93,18 @@ def test_a_save_is_a_step_directory_with_a_marker_and_latest_names_it(saved):
     assert layout.digest_files(root / "step-000004", files) == marker["files"]  # sizes and CRC-32 as written
 
 
+def test_the_checksums_are_computed_as_the_files_are_written_not_read_back(tmp_path, monkeypatch):
+    read_back = []
+    digest = layout.digest_files
+    monkeypatch.setattr(layout, "digest_files", lambda d, names: read_back.extend(names) or digest(d, names))
+    mp, model, opt = build()
+    train(mp, model, opt, 1)
+    where = Path(save_checkpoint(tmp_path / "ck", model=model, optimizer=opt, mp=mp))
+    assert read_back == []
+    marker = json.loads((where / layout.MARKER).read_text())
+    assert digest(where, sorted(marker["files"])) == marker["files"]  # what a reader computes from the files
+
+
 @pytest.mark.parametrize("which, want", [("", 4), ("step-000002", 2), ("step-000004", 4)])
 def test_the_root_loads_latest_and_a_step_directory_loads_itself(saved, which, want):
     root, at2, at4 = saved
@@ -206,6 +218,16 @@ def test_a_damaged_checkpoint_is_refused_and_nothing_is_loaded(saved, tmp_path, 
     if kind != "latest-dangling":  # the step beside it still loads
         load_checkpoint(root / "step-000002", model=model, optimizer=opt, mp=mp)
         assert all(torch.equal(p, saved[1][n]) for n, p in params_of(model).items())
+
+
+def test_checksums_false_checks_sizes_but_not_the_crc(saved, tmp_path):
+    root = _copy_root(saved, tmp_path)
+    _damage("flipped", root)
+    mp, model, opt = build(seed=7)
+    load_checkpoint(root, model=model, optimizer=opt, mp=mp, checksums=False)  # (a flipped byte goes unseen)
+    _damage("truncated", root)
+    with pytest.raises(CheckpointError, match="is truncated"):
+        load_checkpoint(root, model=model, optimizer=opt, mp=mp, checksums=False)
 
 
 def test_a_model_of_another_shape_is_refused_naming_the_parameter_and_both_shapes(saved):

@@ -123,10 +123,10 @@ def _on_rank0(fn: Callable[[], Any], doing: str) -> Any:
     return value
 
 
-def _dcp(fn: Any, state: dict[str, Any], path: Path) -> Any:
+def _dcp(fn: Any, state: dict[str, Any], path: Path, **kwargs: Any) -> Any:
     """``dcp.save`` / ``dcp.load``; on one process without a process group (and without DCP's
-    warnings that it assumes one process, which is what was meant, or that it overwrites: it never
-    does here, every save gets a fresh directory)."""
+    warning that it assumes one process, which is what was meant). DCP's failures, reported on
+    every rank as its ``CheckpointException``, become ``CheckpointError``."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     no_dist = _no_dist()
@@ -134,22 +134,33 @@ def _dcp(fn: Any, state: dict[str, Any], path: Path) -> Any:
         if no_dist:
             warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
         try:
-            return fn(state, checkpoint_id=str(path), no_dist=no_dist)
+            return fn(state, checkpoint_id=str(path), no_dist=no_dist, **kwargs)
         except CheckpointException as e:  # a BaseException: turned into an Exception saying what went wrong
             raise CheckpointError(_failures(e)) from None
 
 
 def _failures(e: Any) -> str:
-    parts = []
-    for rank, (exc, _trace) in sorted(getattr(e, "failures", {}).items()):
-        text = str(exc).strip().splitlines()
-        parts.append(f"rank {rank}: {type(exc).__name__}: {text[0][:300] if text else ''}")
-    return "; ".join(parts) or str(e).splitlines()[0]
+    parts = [f"on rank {rank}: {type(exc).__name__}: {_first_line(exc)}"
+             for rank, (exc, _trace) in sorted(getattr(e, "failures", {}).items())]
+    return "; ".join(parts) or _first_line(e)
 
 
-def _first_line(e: BaseException) -> str:
+def _first_line(e: BaseException, limit: int = 400) -> str:
+    """The first line of an exception's message, cut at a sentence end when it is long."""
     lines = str(e).strip().splitlines()
-    return lines[0][:400] if lines else ""
+    line = lines[0] if lines else ""
+    if len(line) <= limit:
+        return line
+    end = line.rfind(". ", 0, limit)
+    return line[: end + 1] if end > 0 else line[:limit] + "..."
+
+
+def _describe_failure(e: BaseException) -> str:
+    """DCP's own failures name the rank ("on rank 1: ..."); an error outside them (DCP turns its
+    ranks' exceptions into CheckpointException) came from a collective: a rank that stopped."""
+    if isinstance(e, CheckpointError):
+        return str(e)
+    return f"in a collective, {type(e).__name__}: {_first_line(e)} (did another rank stop?)"
 
 
 def _opts(optimizer: Any) -> list[torch.optim.Optimizer]:
@@ -216,6 +227,8 @@ def save_checkpoint(path: str | Path, *, model: nn.Module, optimizer: Any, mp: A
     checkpoints or the save fails; the previous checkpoint stays what ``latest`` names."""
     import torch.distributed.checkpoint as dcp
 
+    from mixprec.distributed import checkpoint_io
+
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
         raise ValueError(f"keep must be a positive integer (how many checkpoints to keep) or None (all), got {keep!r}")
     opts = _opts(optimizer)
@@ -226,14 +239,15 @@ def save_checkpoint(path: str | Path, *, model: nn.Module, optimizer: Any, mp: A
     layout._fault_point("save:begin")
     files: dict[str, Any] = {}
     try:
-        _dcp(dcp.save, state, tmp)
+        storage = checkpoint_io.writer(tmp)  # (sizes and CRC-32 computed as the files are written)
+        _dcp(dcp.save, state, tmp, storage_writer=storage)
         layout._fault_point("save:written")
-        for part in _all_gather(layout.digest_files(tmp, layout.files_of_rank(tmp, rank))):
+        for part in _all_gather(checkpoint_io.digests(storage, tmp, layout.files_of_rank(tmp, rank))):
             files.update(part)
     except (CheckpointError, RuntimeError) as e:  # (RuntimeError: a collective failed, another rank stopped?)
-        raise CheckpointError(f"saving into {tmp} failed ({type(e).__name__}: {_first_line(e)}). Nothing was "
-                              f"published: {root}/latest still names the previous checkpoint, and the next save "
-                              "removes this partial one") from None
+        raise CheckpointError(f"saving into {tmp} failed {_describe_failure(e)}. Nothing was published: "
+                              f"{root}/latest still names the previous checkpoint, and the next save removes this "
+                              "partial one") from None
     layout._fault_point("save:manifest")
     meta, step = state["mixprec"]["meta"], int(mp._steps)
 
@@ -277,13 +291,16 @@ def _check_every_file_seen(tmp: Path, files: dict[str, Any]) -> None:
 # ---------------------------------------------------------------------------- load
 
 
-def load_checkpoint(path: str | Path, *, model: nn.Module, optimizer: Any, mp: Any, scheduler: Any = None) -> str:
+def load_checkpoint(path: str | Path, *, model: nn.Module, optimizer: Any, mp: Any, scheduler: Any = None,
+                    checksums: bool = True) -> str:
     """Load a checkpoint ``save_checkpoint`` wrote into ``model``, ``optimizer``, ``mp`` (and
     ``scheduler``), prepared as for training (``mp.prepare(model, parallel=...)``, the optimizer over
     ``mp.parameters(model)``). ``path``: the path given to ``save_checkpoint`` (its ``latest``
     checkpoint is loaded) or one ``step-N`` directory in it. Call on every rank. Returns the
     directory loaded. Raises ``CheckpointError`` on every rank alike, with nothing changed, when
-    the checkpoint is incomplete or damaged or does not fit this model, optimizer or layout."""
+    the checkpoint is incomplete or damaged or does not fit this model, optimizer or layout.
+    ``checksums=False`` checks the files' sizes against the manifest but not their CRC-32 (which
+    reads every file once more, split over the ranks, before DCP reads it)."""
     import torch.distributed.checkpoint as dcp
 
     opts = _opts(optimizer)
@@ -292,7 +309,8 @@ def load_checkpoint(path: str | Path, *, model: nn.Module, optimizer: Any, mp: A
     def whole() -> Path:  # which checkpoint, and is it whole (every rank stats every file, checksums its share)
         directory = layout.resolve(Path(path))
         marker = layout.read_marker(directory)
-        bad = layout.check_files(directory, marker, checksum=sorted(marker.get("files") or {})[rank::world])
+        share = sorted(marker.get("files") or {})[rank::world] if checksums else []
+        bad = layout.check_files(directory, marker, checksum=share)
         if bad:
             raise CheckpointError(checks.damaged(directory, bad))
         checks.check_layout(directory, marker, _layout(mp), scheduler)
@@ -307,8 +325,7 @@ def load_checkpoint(path: str | Path, *, model: nn.Module, optimizer: Any, mp: A
         try:
             _dcp(dcp.load, staged, directory)
         except (CheckpointError, RuntimeError) as e:
-            raise CheckpointError(f"reading {directory} failed ({type(e).__name__}: {_first_line(e)}); nothing was "
-                                  "loaded") from None
+            raise CheckpointError(f"reading {directory} failed {_describe_failure(e)}; nothing was loaded") from None
 
         def readable() -> list[Any] | None:
             saved_opts = _unblob(staged["optimizer"]["blob"]) if "blob" in staged["optimizer"] else None

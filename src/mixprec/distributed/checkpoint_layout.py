@@ -141,13 +141,14 @@ def _remove(path: Path) -> None:
 
 def digest_files(directory: Path, names: Iterable[str]) -> dict[str, dict[str, Any]]:
     """name -> {"bytes", "crc32"} of the files ``names`` in ``directory`` (read in chunks)."""
-    out = {}
+    out, buf = {}, bytearray(_CHUNK)
+    view = memoryview(buf)
     for name in names:
         crc, size = 0, 0
-        with open(directory / name, "rb") as f:
-            while chunk := f.read(_CHUNK):
-                crc = zlib.crc32(chunk, crc)
-                size += len(chunk)
+        with open(directory / name, "rb", buffering=0) as f:
+            while n := f.readinto(buf):
+                crc = zlib.crc32(view[:n], crc)
+                size += n
         out[name] = {"bytes": size, "crc32": f"{crc:08x}"}
     return out
 
