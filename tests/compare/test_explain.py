@@ -136,3 +136,20 @@ def test_cli_explain_json_adds_the_explanations_to_the_comparison(tmp_path, caps
                          "--out", "", "--threads", "1"], capsys)
     data = json.loads(out)
     assert code == 1 and data["explain"]["bf16-mixed"]["status"] == "FP32 UNSTABLE"
+
+
+def test_a_candidate_stops_once_it_cannot_track_and_its_verdict_is_the_full_runs():
+    # judging a prefix gives the full run's status and first step: the early stop saves steps only
+    from mixprec.comparison.api import compare
+    from mixprec.comparison.explain.candidates import BandWatch, cut_band
+    from mixprec.comparison.runner import run_recipe
+    from mixprec.comparison.verdict import judge
+
+    task = make_variance_task(steps=40)
+    comparison = compare(task, ("fp32", "bf16-mixed"), device="cpu", threads=1)
+    band = cut_band(comparison.band, 40)
+    full = judge(run_recipe(task, "bf16-mixed", steps=40, device="cpu"), band)
+    stopped = run_recipe(task, "bf16-mixed", steps=40, device="cpu", stop=BandWatch(band, "x"))
+    early = judge(stopped, band)
+    assert full.status == early.status == "DIVERGES" and full.first_step == early.first_step
+    assert stopped.steps < 40 and "stopped at step" in stopped.stopped
