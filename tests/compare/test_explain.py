@@ -22,7 +22,9 @@ def test_explain_names_the_planted_module_and_a_fix_verified_over_all_steps(vari
     e = variance_explained
     assert e.verdict.status == "DIVERGES" and e.status == "FIXED" and e.alarming
     assert e.culprits == ["blocks.1.std"]
-    assert e.holds() == ["islands"]
+    # the module is found by the island search, and what it does wrong is a reduction in 16 bits
+    assert e.holds() == ["islands", "loss"]
+    assert "mean (bf16) in blocks.1.std" in e.finding("loss").conclusion
     assert e.fix.code == "MixedPrecision('bf16-mixed', fp32_modules=['blocks.1.std'])"
     assert e.fix.verdict.status == "TRACKS" and e.fix.run.steps == e.steps  # verified on every step, not the horizon
     assert e.fix.step_time_vs_recipe > 0 and e.fix.step_time_vs_fp32 > 0

@@ -35,6 +35,7 @@ from mixprec.comparison.explain.search import IslandSearch, Tree
 from mixprec.comparison.runner import run_recipe
 from mixprec.comparison.verdict import Verdict, judge
 from mixprec.formats import short_name
+from mixprec.instruments.reductions import OUTSIDE
 from mixprec.recipes import Recipe, as_device, resolve_recipe
 from mixprec.tasks import Task, load_task
 
@@ -170,7 +171,9 @@ def _hypotheses(e: Explanation, ev: Evaluator, task: Task, rec: Recipe, run: Any
     root = island_candidate(rec, [""], cap, cap.param_names)
     entry = next((m.name for m in cap.entry_points() if m.name and m.name in usable), None)
     guess = island_candidate(rec, [entry], cap, cap.param_names) if entry is not None else None
-    single = [*scale_c, *loss_c, *masters_c, root, *([guess] if guess is not None else [])]
+    islands_apply = not rec.pure  # a pure recipe is 16-bit everywhere by definition: no island
+    single = [*scale_c, *loss_c, *masters_c, *([root] if islands_apply else []),
+              *([guess] if guess is not None and islands_apply else [])]
     say(f"[2/3 hypotheses] {len(single)} single changes, {h} steps each at most (--jobs {jobs}): "
         + "; ".join(c.change for c in single))
     got = dict(zip(single, ev.evaluate(single)))
@@ -179,6 +182,12 @@ def _hypotheses(e: Explanation, ev: Evaluator, task: Task, rec: Recipe, run: Any
         return [got[c] for c in cands]
 
     cheaper = [o for o in outs([*scale_c, *loss_c, *masters_c]) if o.tracks and o.candidate.hypothesis != "format"]
+    if not islands_apply:
+        e.findings += [Finding("islands", "NOT APPLICABLE", f"{rec.name} keeps the whole model in "
+                               f"{short_name(rec.compute_dtype)} by definition (a pure recipe): it has no fp32 islands; a "
+                               "mixed recipe keeps modules in fp32", _entry_lines(cap))]
+        _other_findings(e, rec, scale_ev, outs(scale_c), loss_ev, outs(loss_c), loss16, masters_ev, outs(masters_c))
+        return
     island_outs = [got[root]] + ([got[guess]] if guess is not None else [])
     search = IslandSearch(tree, lambda sets: _ask(ev, rec, cap, sets, search, tree, say), jobs)
     search.cache[frozenset([""])] = got[root].tracks
@@ -201,25 +210,60 @@ def _hypotheses(e: Explanation, ev: Evaluator, task: Task, rec: Recipe, run: Any
         found = search.run()
     e.search_runs = search.log.runs + len(island_outs)
     if found is not None:
-        island_outs += [o for o in ev.outcomes if o.candidate.hypothesis == "islands" and o not in island_outs]
         final = island_candidate(rec, found, cap, cap.param_names)
-        if found == [""] and tree.kids(""):
+        final_out = ev.evaluate([final])[0]  # asked during the search as a whole, or one more run now
+        island_outs += [o for o in ev.outcomes if o.candidate.hypothesis == "islands" and o not in island_outs]
+        if not final_out.tracks:
+            islands = Finding("islands", "REJECTED", f"the search's set {[n or ROOT for n in found]} does not track as "
+                              "a whole (the verdicts near the band's edge disagree): no island set is offered", [],
+                              island_outs)
+        elif found == [""] and tree.kids(""):
             islands = Finding("islands", "REJECTED", "only the whole forward in fp32 tracks: no part of the model smaller "
                               "than all of it does", [], island_outs)
         else:
             e.culprits = list(found)
-            islands = Finding("islands", "HOLDS", f"the smallest island set that tracks: {[n or ROOT for n in found]}",
+            whole = " (the model is one module: that is fp32 compute for all of it)" if found == [""] else ""
+            islands = Finding("islands", "HOLDS", f"the smallest island set that tracks: {[n or ROOT for n in found]}{whole}",
                               [_culprit_line(cap, n) for n in found], island_outs, {"islands": found, "code": final.code(rec)})
     islands.evidence = _entry_lines(cap) + islands.evidence
+    e.findings.append(islands)
+    _other_findings(e, rec, scale_ev, outs(scale_c), loss_ev, outs(loss_c), loss16, masters_ev, outs(masters_c))
+
+
+def _other_findings(e: Explanation, rec: Recipe, scale_ev: list[str], scale_o: list[Outcome], loss_ev: list[str],
+                    loss_o: list[Outcome], loss16: bool, masters_ev: list[str], masters_o: list[Outcome]) -> None:
     e.findings += [
-        islands,
-        conclude("masters", masters_ev, outs(masters_c), none_why="not applicable: the parameters are stored in fp32, so "
+        conclude("masters", masters_ev, masters_o, none_why="not applicable: the parameters are stored in fp32, so "
                  "every update is kept" if not rec.stores_16bit else "the recipe keeps fp32 masters already"),
-        _scale_finding(scale_ev, outs(scale_c), rec),
-        conclude("loss", loss_ev, outs(loss_c), none_why=("the loss was computed in 16 bits by the task's own loss "
-                 "function, which no recipe change reaches: compute it in fp32 (.float() before the loss)" if loss16
-                 else "the loss was computed in fp32; reductions inside the model are covered by the island search")),
+        _scale_finding(scale_ev, scale_o, rec),
+        _loss_finding(e, loss_ev, loss_o, loss16),
     ]
+
+
+def _loss_finding(e: Explanation, evidence: list[str], outcomes: list[Outcome], loss16: bool) -> Finding:
+    """HOLDS when fp32 outputs (o=f32) track, or when a reduction that ran in 16 bits is inside the
+    island set the search found (the island runs it in fp32: that is what fixed it)."""
+    f = conclude("loss", evidence, outcomes, none_why=(
+        "the loss was computed in 16 bits by the task's own loss function, which no recipe change reaches: compute "
+        "it in fp32 (.float() before the loss)" if loss16 else "the loss was computed in fp32"))
+    inside = [r for r in (e.capture.reductions if e.capture is not None else ())
+              if any(_within(r.module, c) for c in e.culprits)]
+    if inside:
+        where = ", ".join(f"{r.op} ({r.dtype}) in {r.module}" for r in inside[:4])
+        f.status = "HOLDS"
+        f.conclusion = (f"a reduction in 16 bits: {where}, inside the island set found (an island runs it in fp32); "
+                        + f.conclusion)
+    elif f.status == "REJECTED" and not outcomes and not loss16:
+        f.conclusion += "; no reduction that ran in 16 bits is inside an island set that fixes it"
+    return f
+
+
+def _within(module: str, island: str) -> bool:
+    """Is a reduction recorded in ``module`` (ReductionTrace's names) inside ``island``?"""
+    if module == OUTSIDE:
+        return False  # the loss: outside every island
+    name = "" if module == ROOT else module
+    return island == "" or name == island or name.startswith(island + ".")
 
 
 def _scale_finding(evidence: list[str], outcomes: list[Outcome], rec: Recipe) -> Finding:

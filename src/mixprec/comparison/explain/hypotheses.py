@@ -82,7 +82,12 @@ def _rises(loss: np.ndarray, span: int) -> bool:
 
 
 def scale_candidates(recipe: Recipe, run: Any, capture: Capture, horizon: int) -> tuple[list[str], list[Candidate]]:
-    """Evidence about the loss scale and fp16's range, and the candidates that change it."""
+    """Evidence about the loss scale and fp16's range (or fp8's scaling), and the candidates that change it."""
+    if recipe.fp8 is not None and recipe.fp8.scaling == "none":
+        return ([f"fp8 without scaling: {recipe.fp8.format} casts of every tensor at scale 1 (values under fp8's "
+                 "smallest subnormal flush to zero)"],
+                [Candidate("scale", f"fp8 with {kind} scaling", dataclasses.replace(
+                    recipe, fp8=dataclasses.replace(recipe.fp8, scaling=kind))) for kind in ("current", "delayed")])
     if recipe.compute_dtype != torch.float16:
         return [], []
     ev, cands = [], []
@@ -147,8 +152,9 @@ def _bf16_twin(recipe: Recipe) -> Recipe | None:
 def loss_candidates(recipe: Recipe, capture: Capture) -> tuple[list[str], list[Candidate], bool]:
     """Evidence about 16-bit losses and reductions; the o=f32 candidate; whether the loss was 16-bit."""
     ev = [f"the model's output reached the loss in {capture.output_dtype}; the loss came out in {capture.loss_dtype}"
-          + (f", non-finite from finite outputs (fp32's was finite)" if capture.loss_made_nonfinite else
-             f", {capture.loss_error:.2g} from fp32's")]
+          + (", non-finite from finite outputs (fp32's was finite)" if capture.loss_made_nonfinite else
+             ", non-finite, as the model's output already was" if math.isinf(capture.loss_error) else
+             f", {capture.loss_error:.2g} relative error against fp32's")]
     in_loss = [r for r in capture.reductions if r.module == OUTSIDE]
     in_model = [r for r in capture.reductions if r.module != OUTSIDE]
     if in_loss:

@@ -24,7 +24,7 @@ TITLES = {
     "fp32": "fp32 itself is unstable across seeds",
     "islands": "an op or module that needs fp32",
     "masters": "a missing master copy: updates lost to rounding",
-    "scale": "an fp16 loss scale stuck low or overflowing",
+    "scale": "an fp16 loss scale (fp8: its tensor scaling) stuck low or overflowing",
     "loss": "a loss or a reduction computed in 16 bits",
 }
 
