@@ -76,6 +76,7 @@ def test_on_gpt2_the_planted_attention_layer_is_named():
     assert e.culprits == ["transformer.h.1.attn"]
     assert e.fix.code == "MixedPrecision('fp16-mixed', fp32_modules=['transformer.h.1.attn'])"
     assert e.capture.entry_points()[0].name == "transformer.h.1.attn"
+    assert e.capture.module("transformer.h.1.attn").nonfinite_op.startswith("matmul -> f16")  # q.k in fp16
 
 
 def test_on_t5_the_feed_forward_output_projection_hugging_face_keeps_in_fp32_is_named():

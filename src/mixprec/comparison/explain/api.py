@@ -297,7 +297,8 @@ def _entry_lines(cap: Capture) -> list[str]:
     lines = [f"the loss itself made a non-finite value from finite model outputs (in {cap.loss_dtype})"] \
         if cap.loss_made_nonfinite else []
     for m in entry[:4] or cap.ranked()[:3]:
-        how = "makes a non-finite value from fp32's finite input" if m.made_nonfinite else \
+        how = ("makes a non-finite value from fp32's finite input"
+               + (f" (first: {m.nonfinite_op})" if m.nonfinite_op else "")) if m.made_nonfinite else \
             f"adds {m.score:.2g} relative error by itself ({m.score / u:.3g} u, u = {u:.3g} in {cap.compute})"
         if m.grad_overflow:
             how += "; its backward overflowed at the loss scale"
@@ -313,7 +314,7 @@ def _culprit_line(cap: Capture, name: str) -> str:
     reds = [r for r in cap.reductions if r.module == (name or "(the model)")]
     what = f"{m.label} ({m.type}): output {m.out_dtype}"
     if m.made_nonfinite:
-        what += ", non-finite from finite input"
+        what += ", non-finite from finite input" + (f": first at {m.nonfinite_op}" if m.nonfinite_op else "")
     elif m.added is not None:
         what += f", adds {m.added:.2g} forward / {m.grad_added if m.grad_added is not None else float('nan'):.2g} backward"
     if reds:

@@ -191,7 +191,8 @@ class Explanation:
 
 def _in_u(m: Any, u: float) -> str:
     if m.made_nonfinite:
-        return "makes a non-finite value from fp32's finite input"
+        return "makes a non-finite value from fp32's finite input" + (f" (first: {m.nonfinite_op})"
+                                                                       if m.nonfinite_op else "")
     x = m.score
     return f"adds {x:.2g} relative error by itself ({x / u:.3g} u)"
 
