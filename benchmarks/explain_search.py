@@ -10,7 +10,11 @@ explain's runs, for several depths, two ways:
 - ``unranked``: the ranking withheld (every module's children in reverse rank order, so the
   culprit comes last, and no entry-point guess): the bisection alone, its worst case.
 
-    python benchmarks/explain_search.py                       # depths 2 5 10 21: ~9 to ~66 modules
+It also runs the search alone against an exact oracle (it tracks iff the culprit is covered) on
+balanced trees of 15 to 4681 modules, culprit ranked first ("good"), last ("bad") or at random:
+what the search costs when every verdict is right (instant, no training).
+
+    python benchmarks/explain_search.py                       # depths 2 5 10 21: ~11 to ~87 modules
     python benchmarks/explain_search.py --depths 2 5 --json out.json
 
 Prints a table and writes benchmarks/results/explain_search.json (with the machine and its load).
@@ -34,6 +38,7 @@ from torch import nn  # noqa: E402
 import mixprec  # noqa: E402
 from mixprec.comparison.explain import api, hypotheses  # noqa: E402
 from mixprec.comparison.explain.capture import Capture  # noqa: E402
+from mixprec.comparison.explain.search import IslandSearch, Tree  # noqa: E402
 from mixprec.instruments.machine import describe, environment  # noqa: E402
 from mixprec.tasks import Task  # noqa: E402
 
@@ -103,6 +108,37 @@ def run(depth: int, mode: str) -> dict:
             "horizon": e.horizon, "wall_s": round(wall, 2)}
 
 
+def oracle_rows() -> list[dict]:
+    """The search against an exact oracle on balanced trees (see the module doc)."""
+    import random
+
+    rows = []
+    for branching, leaves in ((2, 8), (2, 64), (2, 1024), (4, 16), (4, 256), (8, 64), (8, 4096)):
+        children, level = {}, [""]
+        while len(level) < leaves:
+            nxt = []
+            for node in level:
+                children[node] = [f"{node}.{i}".lstrip(".") for i in range(branching)]
+                nxt += children[node]
+            level = nxt
+        culprit = level[len(level) // 3]
+        modules = len(set(children) | {c for v in children.values() for c in v})
+        row = {"branching": branching, "modules": modules}
+        for how in ("good", "bad", "random"):
+            rng = random.Random(0)
+            ranked = {}
+            for node, kids in children.items():
+                bad = [k for k in kids if culprit == k or culprit.startswith(k + ".")]
+                rest = [k for k in kids if k not in bad]
+                ranked[node] = bad + rest if how == "good" else rest + bad if how == "bad" else rng.sample(kids, len(kids))
+            search = IslandSearch(Tree(ranked), lambda sets: [any(culprit == x or culprit.startswith(x + ".") or x == ""
+                                                                  for x in s) for s in sets])
+            assert search.run() == [culprit]
+            row[how] = search.log.runs
+        rows.append(row)
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--depths", type=int, nargs="+", default=[2, 5, 10, 21])
@@ -116,10 +152,16 @@ def main() -> int:
     for r in rows:
         print(f"{r['depth']:>5} {r['modules']:>7} {r['searched']:>8} {math.log2(max(r['searched'], 1)):>5.1f} {r['mode']:>9} "
               f"{r['search_runs']:>11} {r['runs']:>8} {str(r['found']):>5} {r['wall_s']:>7.1f}")
+    sim = oracle_rows()
+    print("\nthe search alone, exact oracle (runs; culprit ranked first / last / at random):")
+    print(f"{'branching':>9} {'modules':>7} {'log2':>5} {'good':>5} {'bad':>5} {'random':>6}")
+    for r in sim:
+        print(f"{r['branching']:>9} {r['modules']:>7} {math.log2(r['modules']):>5.1f} {r['good']:>5} {r['bad']:>5} "
+              f"{r['random']:>6}")
     env = environment("cpu")
     print(f"machine: {describe(env)}; load average before {load[0]:.2f}, after {os.getloadavg()[0]:.2f}")
     out = {"benchmark": "explain_search", "machine": env, "load_before": load, "load_after": os.getloadavg(),
-           "rows": rows}
+           "rows": rows, "oracle": sim}
     pathlib.Path(args.json).write_text(json.dumps(out, indent=2))
     print(f"wrote {args.json}")
     return 0 if all(r["found"] for r in rows) else 1

@@ -155,3 +155,11 @@ def test_a_candidate_stops_once_it_cannot_track_and_its_verdict_is_the_full_runs
     early = judge(stopped, band)
     assert full.status == early.status == "DIVERGES" and full.first_step == early.first_step
     assert stopped.steps < 40 and "stopped at step" in stopped.stopped
+
+
+def test_cli_explain_quiet_keeps_the_comparisons_lines_and_adds_the_fix(capsys):
+    code, out, _ = _cli(["--task", "explain_tasks:make_attention_task", "--recipes", "fp16-mixed", "--explain",
+                         "--quiet", "--out", "", "--threads", "1"], capsys)
+    lines = out.splitlines()
+    assert code == 1 and lines[0].startswith("fp16-mixed: NON-FINITE: ")
+    assert lines[1].startswith("fp16-mixed: explain: FIXED") and "fix: MixedPrecision(" in lines[2]
