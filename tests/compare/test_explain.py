@@ -81,6 +81,8 @@ def test_a_comparison_of_another_task_or_recipe_is_refused(healthy_comparison):
         mixprec.explain(None, "bf16-true", comparison=healthy_comparison, device="cpu")
     with pytest.raises(ValueError, match="same task"):
         mixprec.explain(make_variance_task(), "bf16-mixed", comparison=healthy_comparison, device="cpu")
+    with pytest.raises(ValueError, match="steps make the comparison"):  # would be ignored: refused
+        mixprec.explain(None, "bf16-mixed", comparison=healthy_comparison, device="cpu", steps=10)
 
 
 def test_jobs_needs_a_task_the_workers_can_import():

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from mixprec.comparison.api import REFERENCE, ComparisonResult, _torch_threads, compare
+from mixprec.comparison.api import MIN_NOISE_SEEDS, REFERENCE, ComparisonResult, _torch_threads, compare
 from mixprec.comparison.explain.candidates import BandWatch, Candidate, Evaluator, Outcome
 from mixprec.comparison.explain.capture import ROOT, Capture, capture
 from mixprec.comparison.explain.hypotheses import (
@@ -33,7 +33,7 @@ from mixprec.comparison.explain.hypotheses import (
 from mixprec.comparison.explain.result import Explanation, Finding, Fix
 from mixprec.comparison.explain.search import IslandSearch, Tree
 from mixprec.comparison.runner import run_recipe
-from mixprec.comparison.verdict import Verdict, judge
+from mixprec.comparison.verdict import Verdict, VerdictRule, judge
 from mixprec.formats import short_name
 from mixprec.instruments.reductions import OUTSIDE
 from mixprec.recipes import Recipe, as_device, resolve_recipe
@@ -49,10 +49,11 @@ def explain(
     *,
     comparison: ComparisonResult | None = None,
     steps: int | None = None,
-    seeds: int = 2,
+    seeds: int | None = None,
     device: Any = None,
     out: str | None = None,
     task_kwargs: dict[str, Any] | None = None,
+    rule: VerdictRule | None = None,
     threads: int | None = None,
     jobs: int = 1,
     progress: Callable[[str], None] | None = None,
@@ -60,7 +61,8 @@ def explain(
     """Explain why ``recipe`` does not track fp32 on ``task`` (see the module doc for the order).
 
     Args:
-        task, steps, seeds, device, task_kwargs, threads: as for ``compare``.
+        task, steps, seeds, device, task_kwargs, rule, threads: as for ``compare`` (``steps``,
+            ``seeds`` and ``rule`` make the comparison when none is given).
         recipe: the recipe to explain (a name, a jmp policy string or a ``Recipe``).
         comparison: a ``ComparisonResult`` of this task that judged ``recipe`` (``compare --explain``
             passes its own): its fp32 runs and band are reused, nothing is compared again.
@@ -87,9 +89,14 @@ def explain(
         raise ValueError("task_kwargs go to a task factory; a ready Task takes none (pass its factory instead)")
     the_task = load_task(task, **(task_kwargs or {}))
     if comparison is None:
+        seeds = MIN_NOISE_SEEDS if seeds is None else seeds
         say(f"comparing {rec.name} with fp32 ({seeds} extra fp32 seeds for the noise band)")
-        comparison = compare(the_task, (REFERENCE, rec), steps=steps, seeds=seeds, device=dev, threads=threads)
+        comparison = compare(the_task, (REFERENCE, rec), steps=steps, seeds=seeds, device=dev, threads=threads, rule=rule)
     else:
+        given = [k for k, v in (("steps", steps), ("seeds", seeds), ("rule", rule)) if v is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} make the comparison, but comparison= was given with its own "
+                             f"({comparison.steps} steps, {len(comparison.noise)} extra seeds, its rule): drop them")
         _check_comparison(comparison, the_task, rec, dev)
     verdict = comparison.verdicts[rec.name]
     e = Explanation(the_task.name, rec.name, str(dev), comparison.steps, "TRACKS", "", verdict, comparison, base=rec,

@@ -5,10 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from typing import Any, Literal
-
-import numpy as np
 
 from mixprec.comparison.explain.candidates import Outcome
 from mixprec.comparison.explain.capture import Capture, _num
@@ -213,7 +210,3 @@ def _steps(o: Outcome) -> str:
         return o.verdict.message
     note = f", {o.run.stopped}" if o.run.stopped else ""
     return f"{o.run.steps}/{o.horizon} steps{note}"
-
-
-def finite_or_none(x: float) -> float | None:
-    return float(x) if x is not None and np.isfinite(x) else None
