@@ -65,8 +65,10 @@ def test_jobs_two_reaches_the_same_answer_as_one():
     one = mixprec.explain("explain_tasks:make_attention_task", "fp16-mixed", device="cpu", threads=1)
     two = mixprec.explain("explain_tasks:make_attention_task", "fp16-mixed", device="cpu", threads=1, jobs=2)
     assert two.jobs == 2 and two.fix.code == one.fix.code and two.culprits == one.culprits
-    assert [(o.candidate.change, o.verdict.status) for f in two.findings for o in f.outcomes] == \
-        [(o.candidate.change, o.verdict.status) for f in one.findings for o in f.outcomes]
+    # the same candidates with the same verdicts (with 2 jobs the search asks two sets per round, in
+    # a different order: the set of questions and answers is what must agree here)
+    assert sorted((o.candidate.change, o.verdict.status) for f in two.findings for o in f.outcomes) == \
+        sorted((o.candidate.change, o.verdict.status) for f in one.findings for o in f.outcomes)
 
 
 def test_on_gpt2_the_planted_attention_layer_is_named():
@@ -93,7 +95,9 @@ def test_on_t5_the_feed_forward_output_projection_hugging_face_keeps_in_fp32_is_
 def test_the_island_search_costs_about_the_same_runs_on_a_deeper_model():
     # the ranking puts the planted module first at every depth: the runs do not grow with the modules
     small = mixprec.explain(make_variance_task(depth=3), "bf16-mixed", device="cpu", threads=1)
-    deep = mixprec.explain(make_variance_task(depth=12, planted=6), "bf16-mixed", device="cpu", threads=1)
-    assert small.culprits == ["blocks.1.std"] and deep.culprits == ["blocks.6.std"]
-    assert deep.module_count > 3 * small.module_count
+    # (width 16: at width 32 and depth 12 the planted fault diverges only in the last steps, and with
+    # ATEN_CPU_CAPABILITY=default not at all: then there is nothing to explain)
+    deep = mixprec.explain(make_variance_task(depth=10, planted=5, width=16), "bf16-mixed", device="cpu", threads=1)
+    assert small.culprits == ["blocks.1.std"] and deep.culprits == ["blocks.5.std"]
+    assert deep.module_count > 2.5 * small.module_count
     assert deep.search_runs <= small.search_runs + 2
