@@ -165,3 +165,27 @@ def test_cli_explain_quiet_keeps_the_comparisons_lines_and_adds_the_fix(capsys):
     lines = out.splitlines()
     assert code == 1 and lines[0].startswith("fp16-mixed: NON-FINITE: ")
     assert lines[1].startswith("fp16-mixed: explain: FIXED") and "fix: MixedPrecision(" in lines[2]
+
+
+def test_with_jobs_outcomes_are_recorded_in_the_order_asked_not_as_they_finish():
+    import time
+
+    from mixprec.comparison.explain.candidates import Evaluator
+    from mixprec.comparison.verdict import fp32_band, VerdictRule
+
+    class SlowFirst:  # a worker pool whose first job finishes last
+        def run(self, job):
+            fn, (cand, *_rest) = job
+            time.sleep(0.3 if cand.change == "first" else 0.0)
+            return f"RuntimeError: {cand.change}"  # a candidate that could not start: an ERROR outcome
+
+    import numpy as np
+
+    band = fp32_band(np.ones(20), [np.ones(20), np.ones(20)], VerdictRule())
+    ev = Evaluator(make_variance_task(), None, {}, "cpu", band, 20)
+    ev._pool, ev.jobs = SlowFirst(), 2
+    rec = get_recipe("bf16-mixed")
+    first, second = Candidate("scale", "first", rec, (("a", 1),)), Candidate("scale", "second", rec, (("a", 2),))
+    got = ev.evaluate([first, second])
+    assert [o.candidate.change for o in got] == ["first", "second"]
+    assert [o.candidate.change for o in ev.outcomes] == ["first", "second"]

@@ -26,8 +26,9 @@ STEPS = np.arange(100)
 
 
 def test_fp32_seeds_that_start_apart_and_settle_together_are_stable():
-    # seeds differ by their initial weights (a large gap at step 1) and converge alike
-    curves = [3.0 * np.exp(-STEPS / 20) + 0.5 + 0.3 * i * np.exp(-STEPS / 5) for i in range(3)]
+    # seeds differ by their initial weights (at step 1 by more than training moves the reference's
+    # loss) and converge alike: not instability
+    curves = [1.0 * np.exp(-STEPS / 10) + 0.5 + 0.8 * i * np.exp(-STEPS / 5) for i in range(3)]
     assert fp32_stability(_comparison(curves)).status == "REJECTED"
 
 

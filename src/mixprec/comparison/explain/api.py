@@ -230,7 +230,9 @@ def _hypotheses(e: Explanation, ev: Evaluator, task: Task, rec: Recipe, run: Any
         else:
             e.culprits = list(found)
             whole = " (the model is one module: that is fp32 compute for all of it)" if found == [""] else ""
-            islands = Finding("islands", "HOLDS", f"the smallest island set that tracks: {[n or ROOT for n in found]}{whole}",
+            cost = _step_cost(final_out, e.comparison.run_for(rec.name))
+            islands = Finding("islands", "HOLDS", f"the smallest island set that tracks: {[n or ROOT for n in found]}"
+                              f"{whole}{cost}",
                               [_culprit_line(cap, n) for n in found], island_outs, {"islands": found, "code": final.code(rec)})
     islands.evidence = _entry_lines(cap) + islands.evidence
     e.findings.append(islands)
@@ -296,6 +298,14 @@ def _ask(ev: Evaluator, rec: Recipe, cap: Capture, sets: list[frozenset[str]], s
     say(f"  [islands] search run {search.log.runs + 1}" + (f"-{search.log.runs + len(sets)}" if len(sets) > 1 else "")
         + f": {'; '.join(c.change for c in cands)} (at most {left} more)")
     return [o.tracks for o in ev.evaluate(cands)]
+
+
+def _step_cost(o: Outcome, failing: Any) -> str:
+    """'; step time x1.04 the recipe's' from the short run's median step against the failing run's."""
+    if o.run is None or not o.run.median_step_s > 0 or not failing.median_step_s > 0:
+        return ""
+    return (f"; step time x{o.run.median_step_s / failing.median_step_s:.2f} the recipe's (its {o.run.steps}-step run; "
+            "indicative)")
 
 
 def _entry_lines(cap: Capture) -> list[str]:
