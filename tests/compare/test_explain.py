@@ -22,7 +22,9 @@ def test_explain_names_the_planted_module_and_a_fix_verified_over_all_steps(vari
     e = variance_explained
     assert e.verdict.status == "DIVERGES" and e.status == "FIXED" and e.alarming
     assert e.culprits == ["blocks.1.std"]
-    assert e.holds() == ["islands"]
+    # the module is found by the island search, and what it does wrong is a reduction in 16 bits
+    assert e.holds() == ["islands", "loss"]
+    assert "mean (bf16) in blocks.1.std" in e.finding("loss").conclusion
     assert e.fix.code == "MixedPrecision('bf16-mixed', fp32_modules=['blocks.1.std'])"
     assert e.fix.verdict.status == "TRACKS" and e.fix.run.steps == e.steps  # verified on every step, not the horizon
     assert e.fix.step_time_vs_recipe > 0 and e.fix.step_time_vs_fp32 > 0
@@ -79,6 +81,8 @@ def test_a_comparison_of_another_task_or_recipe_is_refused(healthy_comparison):
         mixprec.explain(None, "bf16-true", comparison=healthy_comparison, device="cpu")
     with pytest.raises(ValueError, match="same task"):
         mixprec.explain(make_variance_task(), "bf16-mixed", comparison=healthy_comparison, device="cpu")
+    with pytest.raises(ValueError, match="steps make the comparison"):  # would be ignored: refused
+        mixprec.explain(None, "bf16-mixed", comparison=healthy_comparison, device="cpu", steps=10)
 
 
 def test_jobs_needs_a_task_the_workers_can_import():
@@ -136,3 +140,52 @@ def test_cli_explain_json_adds_the_explanations_to_the_comparison(tmp_path, caps
                          "--out", "", "--threads", "1"], capsys)
     data = json.loads(out)
     assert code == 1 and data["explain"]["bf16-mixed"]["status"] == "FP32 UNSTABLE"
+
+
+def test_a_candidate_stops_once_it_cannot_track_and_its_verdict_is_the_full_runs():
+    # judging a prefix gives the full run's status and first step: the early stop saves steps only
+    from mixprec.comparison.api import compare
+    from mixprec.comparison.explain.candidates import BandWatch, cut_band
+    from mixprec.comparison.runner import run_recipe
+    from mixprec.comparison.verdict import judge
+
+    task = make_variance_task(steps=40)
+    comparison = compare(task, ("fp32", "bf16-mixed"), device="cpu", threads=1)
+    band = cut_band(comparison.band, 40)
+    full = judge(run_recipe(task, "bf16-mixed", steps=40, device="cpu"), band)
+    stopped = run_recipe(task, "bf16-mixed", steps=40, device="cpu", stop=BandWatch(band, "x"))
+    early = judge(stopped, band)
+    assert full.status == early.status == "DIVERGES" and full.first_step == early.first_step
+    assert stopped.steps < 40 and "stopped at step" in stopped.stopped
+
+
+def test_cli_explain_quiet_keeps_the_comparisons_lines_and_adds_the_fix(capsys):
+    code, out, _ = _cli(["--task", "explain_tasks:make_attention_task", "--recipes", "fp16-mixed", "--explain",
+                         "--quiet", "--out", "", "--threads", "1"], capsys)
+    lines = out.splitlines()
+    assert code == 1 and lines[0].startswith("fp16-mixed: NON-FINITE: ")
+    assert lines[1].startswith("fp16-mixed: explain: FIXED") and "fix: MixedPrecision(" in lines[2]
+
+
+def test_with_jobs_outcomes_are_recorded_in_the_order_asked_not_as_they_finish():
+    import time
+
+    from mixprec.comparison.explain.candidates import Evaluator
+    from mixprec.comparison.verdict import fp32_band, VerdictRule
+
+    class SlowFirst:  # a worker pool whose first job finishes last
+        def run(self, job):
+            fn, (cand, *_rest) = job
+            time.sleep(0.3 if cand.change == "first" else 0.0)
+            return f"RuntimeError: {cand.change}"  # a candidate that could not start: an ERROR outcome
+
+    import numpy as np
+
+    band = fp32_band(np.ones(20), [np.ones(20), np.ones(20)], VerdictRule())
+    ev = Evaluator(make_variance_task(), None, {}, "cpu", band, 20)
+    ev._pool, ev.jobs = SlowFirst(), 2
+    rec = get_recipe("bf16-mixed")
+    first, second = Candidate("scale", "first", rec, (("a", 1),)), Candidate("scale", "second", rec, (("a", 2),))
+    got = ev.evaluate([first, second])
+    assert [o.candidate.change for o in got] == ["first", "second"]
+    assert [o.candidate.change for o in ev.outcomes] == ["first", "second"]

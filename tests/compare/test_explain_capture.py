@@ -109,3 +109,14 @@ def test_the_capture_run_reproduces_the_comparisons_run_bit_for_bit():
     cap = capture(task, rec, CPU, [0, 3, 5], expected_loss=run.loss)
     assert cap.reproduced is True and cap.steps == [1, 4, 6]
     np.testing.assert_array_equal(np.asarray(cap.losses), run.loss)
+
+
+def test_an_fp16_overflow_is_traced_to_the_op_in_the_modules_own_code():
+    from explain_tasks import make_attention_task
+
+    cap = capture(make_attention_task(steps=2), resolve_recipe("fp16-mixed", CPU), CPU, [0])
+    attn = cap.module("attn")
+    assert attn.made_nonfinite and cap.entry_points()[0] is attn
+    # q @ k^T in Attention.forward itself, not a child: the logits pass 65504
+    assert attn.nonfinite_op.startswith("matmul -> f16")
+    assert not cap.module("attn.q").made_nonfinite and not cap.module("attn.k").made_nonfinite

@@ -153,10 +153,10 @@ def run(args: argparse.Namespace) -> int:
         return error(f"{type(e).__name__}: {e}" + (f" (the task's arguments: {given})" if given else "")
                      + " (run with --traceback for the full traceback)")
 
-    if getattr(args, "explain", False):
-        return _run_explain(args, result, task_kwargs, threads, None if args.quiet else err, error)
-    if args.json:
-        print(result.to_json())
+    explaining = getattr(args, "explain", False)
+    if args.json:  # with --explain: one JSON, the explanations in it, printed after them
+        if not explaining:
+            print(result.to_json())
     elif args.quiet:
         for name, v in result.verdicts.items():
             print(f"{name}: {v.status}: {v.message}")
@@ -166,6 +166,8 @@ def run(args: argparse.Namespace) -> int:
         print_summary(result, make_console())
     if result.write_error:  # the table above holds the results; the files could not be written
         return error(result.write_error + ". Rerun with another --out (the results above are what it measured).")
+    if explaining:
+        return _run_explain(args, result, task_kwargs, threads, None if args.quiet else err, error)
     return 0 if result.ok else 1
 
 
@@ -191,11 +193,7 @@ def _run_explain(args: argparse.Namespace, result, task_kwargs, threads, err, er
     from pathlib import Path
 
     from mixprec.comparison.explain.api import explain
-    from mixprec.comparison.report import print_summary
-    from mixprec.report.terminal import make_console
 
-    if not args.json and not args.quiet:
-        print_summary(result, make_console())
     explained = {}
     for name, verdict in result.verdicts.items():
         if verdict.ok:

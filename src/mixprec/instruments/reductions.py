@@ -66,25 +66,16 @@ def _floating(obj: Any, out: list[torch.Tensor]) -> None:
             _floating(item, out)
 
 
-class ReductionTrace(TorchFunctionMode):
-    """Record the reductions on 16-bit inputs run inside the ``with`` block (see the module doc).
-
-    ``records``: one ``Reduction`` per (module, op, dtype), in the order first seen. The model's
-    root module is named ``"(the model)"``; ops run outside any module (a loss) ``OUTSIDE``.
-    """
+class _ModuleStack(TorchFunctionMode):
+    """A ``TorchFunctionMode`` that knows which module of ``model`` is running (the innermost)."""
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self.model = model
         self._stack: list[str] = []
         self._handles: list[Any] = []
-        self._found: dict[tuple[str, str, str], Reduction] = {}
 
-    @property
-    def records(self) -> list[Reduction]:
-        return list(self._found.values())
-
-    def __enter__(self) -> "ReductionTrace":
+    def __enter__(self) -> Any:
         for name, module in self.model.named_modules():
             label = name or "(the model)"
             self._handles.append(module.register_forward_pre_hook(lambda m, a, label=label: self._stack.append(label)))
@@ -103,6 +94,26 @@ class ReductionTrace(TorchFunctionMode):
         if self._stack:
             self._stack.pop()
 
+    @property
+    def where(self) -> str:
+        return self._stack[-1] if self._stack else OUTSIDE
+
+
+class ReductionTrace(_ModuleStack):
+    """Record the reductions on 16-bit inputs run inside the ``with`` block (see the module doc).
+
+    ``records``: one ``Reduction`` per (module, op, dtype), in the order first seen. The model's
+    root module is named ``"(the model)"``; ops run outside any module (a loss) ``OUTSIDE``.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model)
+        self._found: dict[tuple[str, str, str], Reduction] = {}
+
+    @property
+    def records(self) -> list[Reduction]:
+        return list(self._found.values())
+
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         name = (getattr(func, "__name__", "") or "").strip("_")
@@ -111,7 +122,7 @@ class ReductionTrace(TorchFunctionMode):
             _floating((args, kwargs), tensors)
             sixteen = [t for t in tensors if t.dtype in _SIXTEEN]
             if sixteen:
-                where = self._stack[-1] if self._stack else OUTSIDE
+                where = self.where
                 dtype = _SIXTEEN[sixteen[0].dtype]
                 numel = max(t.numel() for t in sixteen)
                 key = (where, name, dtype)
@@ -122,3 +133,36 @@ class ReductionTrace(TorchFunctionMode):
                     found.calls += 1
                     found.numel = max(found.numel, numel)
         return func(*args, **kwargs)
+
+
+class FirstNonFinite(_ModuleStack):
+    """The first op inside the ``with`` block that returned a non-finite value from finite inputs:
+    ``found`` is ``(module, op, output dtype, largest |input|)`` or None. One ``isfinite`` per op:
+    for a short replay of one module, not for training.
+
+    >>> lin = torch.nn.Linear(2, 2)
+    >>> with FirstNonFinite(lin) as watch:
+    ...     _ = (lin(torch.ones(1, 2)) * 1e30).to(torch.float16)
+    >>> watch.found[1], watch.found[2]
+    ('to', 'f16')
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model)
+        self.found: tuple[str, str, str, float] | None = None
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.found is None:
+            outs: list[torch.Tensor] = []
+            _floating(out, outs)
+            if any(not bool(torch.isfinite(t).all()) for t in outs if t.numel()):
+                ins: list[torch.Tensor] = []
+                _floating((args, kwargs), ins)
+                if all(bool(torch.isfinite(t).all()) for t in ins if t.numel()):
+                    top = max((float(t.detach().abs().max()) for t in ins if t.numel()), default=0.0)
+                    name = (getattr(func, "__name__", "") or "op").strip("_")
+                    dtype = next((_SIXTEEN.get(t.dtype, str(t.dtype).removeprefix("torch.")) for t in outs), "-")
+                    self.found = (self.where, name, dtype, top)
+        return out

@@ -56,6 +56,9 @@ def explanation_figure(e: Any, smooth: Callable[[np.ndarray], np.ndarray], smoot
     ax_m.axhline(u, color="black", lw=1.0, ls=":", label=f"unit roundoff u of {cap.compute} ({u:.2g})")
     ax_m.set_yscale("log")
     ax_m.set_ylim(top=top * 3)
+    ax_m.axhline(top, color="0.6", lw=0.6, ls="-")
+    ax_m.annotate("non-finite", xy=(0.0, top), xycoords=("axes fraction", "data"), xytext=(-4, 0),
+                  textcoords="offset points", ha="right", va="center", fontsize=7, color="0.3")
     culprits = set(e.culprits)
     entry = {m.name for m in cap.entry_points()} - culprits
     ax_m.set_xticks(x)
@@ -71,8 +74,8 @@ def explanation_figure(e: Any, smooth: Callable[[np.ndarray], np.ndarray], smoot
             ax_m.get_xticklabels()[i].set_color("0.5")
     ax_m.set_ylabel("relative error vs fp32")
     steps = ", ".join(map(str, cap.steps))
-    ax_m.set_title(f"{e.recipe} on {e.task}: error per module (worst of steps {steps}; * = non-finite; "
-                   f"red = the island set found, orange = other entry points, grey = fp32 island already)", fontsize=9)
+    ax_m.set_title(f"{e.recipe} on {e.task}: each module against fp32 (worst of steps {steps})\n"
+                   "red: the island set found; orange: other entry points; grey: fp32 islands already", fontsize=9)
     ax_m.legend(loc="upper left", fontsize=7, framealpha=0.9)
     ax_m.grid(alpha=0.3, which="both", axis="y")
 

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from mixprec.comparison.api import REFERENCE, ComparisonResult, _torch_threads, compare
+from mixprec.comparison.api import MIN_NOISE_SEEDS, REFERENCE, ComparisonResult, _torch_threads, compare
 from mixprec.comparison.explain.candidates import BandWatch, Candidate, Evaluator, Outcome
 from mixprec.comparison.explain.capture import ROOT, Capture, capture
 from mixprec.comparison.explain.hypotheses import (
@@ -33,8 +33,9 @@ from mixprec.comparison.explain.hypotheses import (
 from mixprec.comparison.explain.result import Explanation, Finding, Fix
 from mixprec.comparison.explain.search import IslandSearch, Tree
 from mixprec.comparison.runner import run_recipe
-from mixprec.comparison.verdict import Verdict, judge
+from mixprec.comparison.verdict import Verdict, VerdictRule, judge
 from mixprec.formats import short_name
+from mixprec.instruments.reductions import OUTSIDE
 from mixprec.recipes import Recipe, as_device, resolve_recipe
 from mixprec.tasks import Task, load_task
 
@@ -48,10 +49,11 @@ def explain(
     *,
     comparison: ComparisonResult | None = None,
     steps: int | None = None,
-    seeds: int = 2,
+    seeds: int | None = None,
     device: Any = None,
     out: str | None = None,
     task_kwargs: dict[str, Any] | None = None,
+    rule: VerdictRule | None = None,
     threads: int | None = None,
     jobs: int = 1,
     progress: Callable[[str], None] | None = None,
@@ -59,7 +61,8 @@ def explain(
     """Explain why ``recipe`` does not track fp32 on ``task`` (see the module doc for the order).
 
     Args:
-        task, steps, seeds, device, task_kwargs, threads: as for ``compare``.
+        task, steps, seeds, device, task_kwargs, rule, threads: as for ``compare`` (``steps``,
+            ``seeds`` and ``rule`` make the comparison when none is given).
         recipe: the recipe to explain (a name, a jmp policy string or a ``Recipe``).
         comparison: a ``ComparisonResult`` of this task that judged ``recipe`` (``compare --explain``
             passes its own): its fp32 runs and band are reused, nothing is compared again.
@@ -86,9 +89,14 @@ def explain(
         raise ValueError("task_kwargs go to a task factory; a ready Task takes none (pass its factory instead)")
     the_task = load_task(task, **(task_kwargs or {}))
     if comparison is None:
+        seeds = MIN_NOISE_SEEDS if seeds is None else seeds
         say(f"comparing {rec.name} with fp32 ({seeds} extra fp32 seeds for the noise band)")
-        comparison = compare(the_task, (REFERENCE, rec), steps=steps, seeds=seeds, device=dev, threads=threads)
+        comparison = compare(the_task, (REFERENCE, rec), steps=steps, seeds=seeds, device=dev, threads=threads, rule=rule)
     else:
+        given = [k for k, v in (("steps", steps), ("seeds", seeds), ("rule", rule)) if v is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} make the comparison, but comparison= was given with its own "
+                             f"({comparison.steps} steps, {len(comparison.noise)} extra seeds, its rule): drop them")
         _check_comparison(comparison, the_task, rec, dev)
     verdict = comparison.verdicts[rec.name]
     e = Explanation(the_task.name, rec.name, str(dev), comparison.steps, "TRACKS", "", verdict, comparison, base=rec,
@@ -170,7 +178,9 @@ def _hypotheses(e: Explanation, ev: Evaluator, task: Task, rec: Recipe, run: Any
     root = island_candidate(rec, [""], cap, cap.param_names)
     entry = next((m.name for m in cap.entry_points() if m.name and m.name in usable), None)
     guess = island_candidate(rec, [entry], cap, cap.param_names) if entry is not None else None
-    single = [*scale_c, *loss_c, *masters_c, root, *([guess] if guess is not None else [])]
+    islands_apply = not rec.pure  # a pure recipe is 16-bit everywhere by definition: no island
+    single = [*scale_c, *loss_c, *masters_c, *([root] if islands_apply else []),
+              *([guess] if guess is not None and islands_apply else [])]
     say(f"[2/3 hypotheses] {len(single)} single changes, {h} steps each at most (--jobs {jobs}): "
         + "; ".join(c.change for c in single))
     got = dict(zip(single, ev.evaluate(single)))
@@ -179,6 +189,12 @@ def _hypotheses(e: Explanation, ev: Evaluator, task: Task, rec: Recipe, run: Any
         return [got[c] for c in cands]
 
     cheaper = [o for o in outs([*scale_c, *loss_c, *masters_c]) if o.tracks and o.candidate.hypothesis != "format"]
+    if not islands_apply:
+        e.findings += [Finding("islands", "NOT APPLICABLE", f"{rec.name} keeps the whole model in "
+                               f"{short_name(rec.compute_dtype)} by definition (a pure recipe): it has no fp32 islands; a "
+                               "mixed recipe keeps modules in fp32", _entry_lines(cap))]
+        _other_findings(e, rec, scale_ev, outs(scale_c), loss_ev, outs(loss_c), loss16, masters_ev, outs(masters_c))
+        return
     island_outs = [got[root]] + ([got[guess]] if guess is not None else [])
     search = IslandSearch(tree, lambda sets: _ask(ev, rec, cap, sets, search, tree, say), jobs)
     search.cache[frozenset([""])] = got[root].tracks
@@ -201,25 +217,62 @@ def _hypotheses(e: Explanation, ev: Evaluator, task: Task, rec: Recipe, run: Any
         found = search.run()
     e.search_runs = search.log.runs + len(island_outs)
     if found is not None:
-        island_outs += [o for o in ev.outcomes if o.candidate.hypothesis == "islands" and o not in island_outs]
         final = island_candidate(rec, found, cap, cap.param_names)
-        if found == [""] and tree.kids(""):
+        final_out = ev.evaluate([final])[0]  # asked during the search as a whole, or one more run now
+        island_outs += [o for o in ev.outcomes if o.candidate.hypothesis == "islands" and o not in island_outs]
+        if not final_out.tracks:
+            islands = Finding("islands", "REJECTED", f"the search's set {[n or ROOT for n in found]} does not track as "
+                              "a whole (the verdicts near the band's edge disagree): no island set is offered", [],
+                              island_outs)
+        elif found == [""] and tree.kids(""):
             islands = Finding("islands", "REJECTED", "only the whole forward in fp32 tracks: no part of the model smaller "
                               "than all of it does", [], island_outs)
         else:
             e.culprits = list(found)
-            islands = Finding("islands", "HOLDS", f"the smallest island set that tracks: {[n or ROOT for n in found]}",
+            whole = " (the model is one module: that is fp32 compute for all of it)" if found == [""] else ""
+            cost = _step_cost(final_out, e.comparison.run_for(rec.name))
+            islands = Finding("islands", "HOLDS", f"the smallest island set that tracks: {[n or ROOT for n in found]}"
+                              f"{whole}{cost}",
                               [_culprit_line(cap, n) for n in found], island_outs, {"islands": found, "code": final.code(rec)})
     islands.evidence = _entry_lines(cap) + islands.evidence
+    e.findings.append(islands)
+    _other_findings(e, rec, scale_ev, outs(scale_c), loss_ev, outs(loss_c), loss16, masters_ev, outs(masters_c))
+
+
+def _other_findings(e: Explanation, rec: Recipe, scale_ev: list[str], scale_o: list[Outcome], loss_ev: list[str],
+                    loss_o: list[Outcome], loss16: bool, masters_ev: list[str], masters_o: list[Outcome]) -> None:
     e.findings += [
-        islands,
-        conclude("masters", masters_ev, outs(masters_c), none_why="not applicable: the parameters are stored in fp32, so "
+        conclude("masters", masters_ev, masters_o, none_why="not applicable: the parameters are stored in fp32, so "
                  "every update is kept" if not rec.stores_16bit else "the recipe keeps fp32 masters already"),
-        _scale_finding(scale_ev, outs(scale_c), rec),
-        conclude("loss", loss_ev, outs(loss_c), none_why=("the loss was computed in 16 bits by the task's own loss "
-                 "function, which no recipe change reaches: compute it in fp32 (.float() before the loss)" if loss16
-                 else "the loss was computed in fp32; reductions inside the model are covered by the island search")),
+        _scale_finding(scale_ev, scale_o, rec),
+        _loss_finding(e, loss_ev, loss_o, loss16),
     ]
+
+
+def _loss_finding(e: Explanation, evidence: list[str], outcomes: list[Outcome], loss16: bool) -> Finding:
+    """HOLDS when fp32 outputs (o=f32) track, or when a reduction that ran in 16 bits is inside the
+    island set the search found (the island runs it in fp32: that is what fixed it)."""
+    f = conclude("loss", evidence, outcomes, none_why=(
+        "the loss was computed in 16 bits by the task's own loss function, which no recipe change reaches: compute "
+        "it in fp32 (.float() before the loss)" if loss16 else "the loss was computed in fp32"))
+    inside = [r for r in (e.capture.reductions if e.capture is not None else ())
+              if any(_within(r.module, c) for c in e.culprits)]
+    if inside:
+        where = ", ".join(f"{r.op} ({r.dtype}) in {r.module}" for r in inside[:4])
+        f.status = "HOLDS"
+        f.conclusion = (f"a reduction in 16 bits: {where}, inside the island set found (an island runs it in fp32); "
+                        + f.conclusion)
+    elif f.status == "REJECTED" and not outcomes and not loss16:
+        f.conclusion += "; no reduction that ran in 16 bits is inside an island set that fixes it"
+    return f
+
+
+def _within(module: str, island: str) -> bool:
+    """Is a reduction recorded in ``module`` (ReductionTrace's names) inside ``island``?"""
+    if module == OUTSIDE:
+        return False  # the loss: outside every island
+    name = "" if module == ROOT else module
+    return island == "" or name == island or name.startswith(island + ".")
 
 
 def _scale_finding(evidence: list[str], outcomes: list[Outcome], rec: Recipe) -> Finding:
@@ -247,13 +300,22 @@ def _ask(ev: Evaluator, rec: Recipe, cap: Capture, sets: list[frozenset[str]], s
     return [o.tracks for o in ev.evaluate(cands)]
 
 
+def _step_cost(o: Outcome, failing: Any) -> str:
+    """'; step time x1.04 the recipe's' from the short run's median step against the failing run's."""
+    if o.run is None or not o.run.median_step_s > 0 or not failing.median_step_s > 0:
+        return ""
+    return (f"; step time x{o.run.median_step_s / failing.median_step_s:.2f} the recipe's (its {o.run.steps}-step run; "
+            "indicative)")
+
+
 def _entry_lines(cap: Capture) -> list[str]:
     u = cap.unit_roundoff
     entry = cap.entry_points()
     lines = [f"the loss itself made a non-finite value from finite model outputs (in {cap.loss_dtype})"] \
         if cap.loss_made_nonfinite else []
     for m in entry[:4] or cap.ranked()[:3]:
-        how = "makes a non-finite value from fp32's finite input" if m.made_nonfinite else \
+        how = ("makes a non-finite value from fp32's finite input"
+               + (f" (first: {m.nonfinite_op})" if m.nonfinite_op else "")) if m.made_nonfinite else \
             f"adds {m.score:.2g} relative error by itself ({m.score / u:.3g} u, u = {u:.3g} in {cap.compute})"
         if m.grad_overflow:
             how += "; its backward overflowed at the loss scale"
@@ -269,7 +331,7 @@ def _culprit_line(cap: Capture, name: str) -> str:
     reds = [r for r in cap.reductions if r.module == (name or "(the model)")]
     what = f"{m.label} ({m.type}): output {m.out_dtype}"
     if m.made_nonfinite:
-        what += ", non-finite from finite input"
+        what += ", non-finite from finite input" + (f": first at {m.nonfinite_op}" if m.nonfinite_op else "")
     elif m.added is not None:
         what += f", adds {m.added:.2g} forward / {m.grad_added if m.grad_added is not None else float('nan'):.2g} backward"
     if reds:

@@ -238,7 +238,8 @@ class Evaluator:
                 for f in concurrent.futures.as_completed(futures):
                     c = futures[f]
                     results[c] = (f.result(), time.perf_counter() - t0)
-                    self._record(c, *results[c])
+            for c in todo:  # recorded in the order asked, not as they finished: the report is the same every time
+                self._record(c, *results[c])
         return [self._cache[c.key] for c in cands]
 
     def _record(self, c: Candidate, got: Any, seconds: float) -> None:

@@ -76,6 +76,7 @@ class ModuleError:
     unchanged: bool = True
     unmeasured: str | None = None
     received_overflow: bool = False  # what it received had already overflowed its dtype (the module before did)
+    nonfinite_op: str | None = None  # the first op in it that made a non-finite value from finite inputs
 
     @property
     def label(self) -> str:
@@ -387,6 +388,7 @@ class _Accumulator:
                 row.unmeasured = rp
             elif rp is not None:
                 row.received_overflow |= rp.received_overflow
+                row.nonfinite_op = row.nonfinite_op or rp.nonfinite_op
                 row.added = _worst(row.added, rp.added)
                 row.grad_added = _worst(row.grad_added, rp.grad_added)
                 row.made_nonfinite |= rp.made_nonfinite

@@ -55,9 +55,13 @@ def fp32_stability(comparison: Any) -> Finding:
     span = band.rule.span
     center = band.center
     moved = float(np.max(center) - np.min(center))
-    spread = float(np.max(band.noise_gap)) if len(band.noise_gap) else 0.0
+    # the spread where training has settled (the last quarter): at the start the seeds differ by
+    # their initial weights, which is what seeds are for, not instability
+    tail = band.noise_gap[-max(1, len(band.noise_gap) // 4):]
+    spread = float(np.max(tail)) if len(tail) else 0.0
     rising = [r for r in fp32 if _rises(r.loss, span)]
-    evidence = [f"fp32's seeds differ by up to {spread:.3g} (smoothed); training moved the reference's loss by {moved:.3g}"]
+    evidence = [f"over the last quarter of the steps fp32's seeds differ by up to {spread:.3g} (smoothed); training "
+                f"moved the reference's loss by {moved:.3g}"]
     if rising:
         evidence.append(f"{', '.join(r.label for r in rising)}: the smoothed loss ends above where it started")
     if rising or (moved > 0 and spread > UNSTABLE_SPREAD * moved):
@@ -78,7 +82,12 @@ def _rises(loss: np.ndarray, span: int) -> bool:
 
 
 def scale_candidates(recipe: Recipe, run: Any, capture: Capture, horizon: int) -> tuple[list[str], list[Candidate]]:
-    """Evidence about the loss scale and fp16's range, and the candidates that change it."""
+    """Evidence about the loss scale and fp16's range (or fp8's scaling), and the candidates that change it."""
+    if recipe.fp8 is not None and recipe.fp8.scaling == "none":
+        return ([f"fp8 without scaling: {recipe.fp8.format} casts of every tensor at scale 1 (values under fp8's "
+                 "smallest subnormal flush to zero)"],
+                [Candidate("scale", f"fp8 with {kind} scaling", dataclasses.replace(
+                    recipe, fp8=dataclasses.replace(recipe.fp8, scaling=kind))) for kind in ("current", "delayed")])
     if recipe.compute_dtype != torch.float16:
         return [], []
     ev, cands = [], []
@@ -143,8 +152,9 @@ def _bf16_twin(recipe: Recipe) -> Recipe | None:
 def loss_candidates(recipe: Recipe, capture: Capture) -> tuple[list[str], list[Candidate], bool]:
     """Evidence about 16-bit losses and reductions; the o=f32 candidate; whether the loss was 16-bit."""
     ev = [f"the model's output reached the loss in {capture.output_dtype}; the loss came out in {capture.loss_dtype}"
-          + (f", non-finite from finite outputs (fp32's was finite)" if capture.loss_made_nonfinite else
-             f", {capture.loss_error:.2g} from fp32's")]
+          + (", non-finite from finite outputs (fp32's was finite)" if capture.loss_made_nonfinite else
+             ", non-finite, as the model's output already was" if math.isinf(capture.loss_error) else
+             f", {capture.loss_error:.2g} relative error against fp32's")]
     in_loss = [r for r in capture.reductions if r.module == OUTSIDE]
     in_model = [r for r in capture.reductions if r.module != OUTSIDE]
     if in_loss:

@@ -5,10 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from typing import Any, Literal
-
-import numpy as np
 
 from mixprec.comparison.explain.candidates import Outcome
 from mixprec.comparison.explain.capture import Capture, _num
@@ -24,7 +21,7 @@ TITLES = {
     "fp32": "fp32 itself is unstable across seeds",
     "islands": "an op or module that needs fp32",
     "masters": "a missing master copy: updates lost to rounding",
-    "scale": "an fp16 loss scale stuck low or overflowing",
+    "scale": "an fp16 loss scale (fp8: its tensor scaling) stuck low or overflowing",
     "loss": "a loss or a reduction computed in 16 bits",
 }
 
@@ -191,7 +188,8 @@ class Explanation:
 
 def _in_u(m: Any, u: float) -> str:
     if m.made_nonfinite:
-        return "makes a non-finite value from fp32's finite input"
+        return "makes a non-finite value from fp32's finite input" + (f" (first: {m.nonfinite_op})"
+                                                                       if m.nonfinite_op else "")
     x = m.score
     return f"adds {x:.2g} relative error by itself ({x / u:.3g} u)"
 
@@ -212,7 +210,3 @@ def _steps(o: Outcome) -> str:
         return o.verdict.message
     note = f", {o.run.stopped}" if o.run.stopped else ""
     return f"{o.run.steps}/{o.horizon} steps{note}"
-
-
-def finite_or_none(x: float) -> float | None:
-    return float(x) if x is not None and np.isfinite(x) else None

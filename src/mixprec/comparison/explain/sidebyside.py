@@ -227,6 +227,7 @@ class Replay:
     made_nonfinite: bool  # non-finite output from fp32's finite input
     unchanged: bool  # bitwise fp32's: an island cannot change what this module computes
     received_overflow: bool = False  # fp32's input does not fit the dtype it received: nothing measured
+    nonfinite_op: str | None = None  # when it made a non-finite value: the first op that did, in words
 
 
 def _own_params(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -304,6 +305,28 @@ def replay(call_32: Call, dtypes_r: Sequence[torch.dtype], m32: nn.Module, m_r: 
     pairs = [(x, y) for x, y in zip(g_r, g32) if x is not None and y is not None]
     grad_added = rel_error([x for x, _ in pairs], [y for _, y in pairs]) if pairs else float("nan")
     made = nonfinite(outs_r) and not nonfinite(outs32)
+    op = _first_nonfinite_op(call_32, dtypes_r, fresh, m_r, autocast) if made else None
     same = (len(outs_r) == len(outs32) and all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(outs_r, outs32))
             and all(torch.equal(x, y) for x, y in pairs))
-    return Replay(rel_error(outs_r, outs32), grad_added, made, same)
+    return Replay(rel_error(outs_r, outs32), grad_added, made, same, nonfinite_op=op)
+
+
+def _first_nonfinite_op(call_32: Call, dtypes_r: Sequence[torch.dtype], fresh: Callable[..., Any], m_r: nn.Module,
+                        autocast: Callable[[], Any]) -> str | None:
+    """Run the recipe's module once more, watching every op, and name the first that made a
+    non-finite value from finite inputs (``instruments.reductions.FirstNonFinite``)."""
+    from mixprec.instruments.reductions import FirstNonFinite
+
+    saved = _buffers(m_r)
+    try:
+        a_r, k_r = fresh(dtypes_r)
+        with torch.no_grad(), _same_randomness(call_32.rng), autocast(), FirstNonFinite(m_r) as watch:
+            m_r(*a_r, **k_r)
+    finally:
+        _restore(saved)
+    if watch.found is None:
+        return None
+    where, op, dtype, top = watch.found
+    # the watch names modules relative to m_r: "(the model)" is this module's own code
+    inside = "" if where == "(the model)" else f" in {call_32.name + '.' + where if call_32.name else where}"
+    return f"{op}{inside} -> {dtype} (inputs up to {top:.3g})"
