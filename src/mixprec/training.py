@@ -161,19 +161,21 @@ class MixedPrecision:
             check_model_params(model, self.device, self.recipe, self.masters is not None)
         self._families = {f: family_matches(model, f) for f in (*self.recipe.fp32_modules, *self.fp32_modules)
                           if isinstance(f, str) and f in FAMILIES}
+        islands: list[str] = []
         if self.recipe.autocast:
-            keep_fp32(model, [*self.recipe.fp32_modules, *self.fp32_modules], self.device.type)
+            islands = keep_fp32(model, [*self.recipe.fp32_modules, *self.fp32_modules], self.device.type)
             model.register_forward_hook(OutputCast(self.policy.output_dtype))
             if self.recipe.pure:
                 model.register_forward_pre_hook(InputCast(self.policy.compute_dtype), with_kwargs=True)
                 cast_floating_buffers(model, self.policy.param_dtype)
         elif self.fp32_modules:
-            keep_fp32(model, self.fp32_modules, self.device.type)
+            islands = keep_fp32(model, self.fp32_modules, self.device.type)
         if self.fp8_spec is not None:  # after the islands: an island stays fp32
             from mixprec.fp8.state import Fp8Training  # a capability: imported when a recipe asks for it
 
             self.fp8 = Fp8Training.attach(model, self.fp8_spec, self.device, self.recipe.name)
         if self.masters is not None and masters:
+            self.masters.fp32_params += tuple(islands)  # an island computes in fp32: its parameters stay fp32
             self.masters.attach(model)
             if self.recipe.autocast:  # 16-bit weights: eval loops, generate(), a submodule run outside mp.autocast() too
                 autocast_outside(model, self.device.type, self.policy.compute_dtype)
