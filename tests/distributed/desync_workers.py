@@ -69,6 +69,8 @@ SCENARIOS = {
     "fsdp_loss_hook": ("fsdp", "bf16-mixed", 1, "loss_hook", (1,), (1, 0), 3, True),
     "fsdp_mid_backward": ("fsdp", "bf16-true", 1, "mid_backward", (1,), (1, 0), 3, True),
     "fsdp_forward": ("fsdp", "bf16-mixed", 1, "forward", (1,), (1, 0), 3, True),
+    # ... on every rank at once: no rank waits for a timeout, every rank raises at once from then on
+    "fsdp_mid_backward_all": ("fsdp", "bf16-mixed", 1, "mid_backward", (0, 1), (1, 0), 3, True),
     # one rank dies (uncaught, SIGKILL) or stops (SIGSTOP): run alone, on the default group
     "ddp_uncaught": ("ddp", "bf16-mixed", 1, "uncaught", (1,), (1, 0), 4, False),
     "fsdp_kill": ("fsdp", "bf16-mixed", 1, "kill", (1,), (1, 0), 3, False),

@@ -42,7 +42,7 @@ def desync_run(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def more_run(tmp_path_factory):
-    names = MORE + BROKEN
+    names = MORE + BROKEN + ("fsdp_mid_backward_all",)
     out = spawn(",".join(names), tmp_path_factory.mktemp("dist-desync-more"), script=SCRIPT, timeout=400)
     return {name: [rank[name] for rank in out] for name in names}
 
@@ -152,6 +152,14 @@ def test_a_rank_that_raised_inside_its_communication_is_a_clear_error_on_every_r
     assert r0["steps"] == r1["steps"] == 1  # no rank stepped after it
     if name.startswith("ddp"):
         assert r0["local"] == r1["local"]  # the replicas still agree
+
+
+@pytest.mark.slow
+def test_every_rank_raising_inside_its_communication_stops_every_rank_at_once(more_run):
+    for r, rank in enumerate(more_run["fsdp_mid_backward_all"]):
+        assert _err(rank, 1) == f"Boom: mid_backward on rank {r}"
+        assert any("cannot be paired again" in n for n in _at(rank, 1)["notes"])
+        assert _err(rank, 2).startswith("DesyncError: this rank's step stopped partway")
 
 
 # ---------------------------------------------------------------------------- a rank that dies or stops
