@@ -167,6 +167,12 @@ def run_scenario(name, out_dir):
     broken = any("DesyncError" in e.get("error", "") and "cannot be paired again" in e.get("error", "") for e in events)
     if not broken and point not in ("kill", "stop", "uncaught"):
         result["digest"] = W.digest(W.params(mp, model))  # (FSDP: a collective; the group is paired)
+    if broken:  # a broken rank writes no checkpoint: save_checkpoint starts with mp.state_dict()
+        try:
+            mp.state_dict()
+            result["state_dict"] = "ok"
+        except Exception as e:  # noqa: BLE001
+            result["state_dict"] = f"{type(e).__name__}: {e}"[:200]
     if name in RECOVER:  # every rank loads the checkpoint of step 0 and trains steps 1 and 2 again
         load_checkpoint(ckpt, model=model, optimizer=opt, mp=mp, scheduler=sched)
         after = []

@@ -150,6 +150,7 @@ def test_a_rank_that_raised_inside_its_communication_is_a_clear_error_on_every_r
         assert later and all(e["error"].startswith("DesyncError: this rank's step stopped partway") for e in later)
         assert "restart the job" in later[0]["error"]
     assert r0["steps"] == r1["steps"] == 1  # no rank stepped after it
+    assert r0["state_dict"].startswith("DesyncError") and r1["state_dict"].startswith("DesyncError")  # no checkpoint
     if name.startswith("ddp"):
         assert r0["local"] == r1["local"]  # the replicas still agree
 
