@@ -174,6 +174,11 @@ def run_scenario(name, out_dir):
         except Exception as e:  # noqa: BLE001
             result["state_dict"] = f"{type(e).__name__}: {e}"[:200]
     if name in RECOVER:  # every rank loads the checkpoint of step 0 and trains steps 1 and 2 again
+        try:
+            mp._dist.require_consistent()
+            result["saveable"] = "ok"
+        except Exception as e:  # noqa: BLE001
+            result["saveable"] = f"{type(e).__name__}: {e}"[:200]
         load_checkpoint(ckpt, model=model, optimizer=opt, mp=mp, scheduler=sched)
         after = []
         for step in (1, 2):
@@ -188,6 +193,7 @@ def run_scenario(name, out_dir):
             with mp2.autocast():
                 logits = model2(x)
             mp2.step(charlm.lm_loss(logits, y), opt2, scheduler=sched2)
+        mp._dist.require_consistent()  # (loaded: consistent again)
         result["recovered"] = {"stepped": after, "digest": W.digest(W.params(mp, model)), "steps": mp._steps,
                                "epoch": sched.last_epoch, "local": _local_digest(model),
                                "uninterrupted": W.digest(W.params(mp2, model2)), "uninterrupted_steps": mp2._steps,

@@ -69,6 +69,8 @@ def _check_sticky_then_recovered(ranks, point, mode):
     first = _err(r0, 2)
     assert "rank 1 raised after the skip decision" in first and f"Boom: {point} on rank 1" in first
     assert "until every rank loads the same checkpoint" in first
+    for r in ranks:  # (what save_checkpoint can ask before it writes a mix of states)
+        assert r["saveable"].startswith("DesyncError: cannot save a checkpoint: the replicas went apart")
     # what the error was for: the two ranks are not the same any more
     assert (r0["steps"], r0["epoch"]) != (r1["steps"], r1["epoch"]) or r0["local"] != r1["local"]
     for r in ranks:  # every rank loaded the step-0 checkpoint and trained steps 1, 2: the uninterrupted run
