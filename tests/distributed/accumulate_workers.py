@@ -5,7 +5,7 @@ micro-batch, nothing else), and the loop a user writes for DDP by hand, with ``m
 around the forward and the step of every micro-step before the last. Each rank counts the
 collectives its process group makes during each ``mp.step`` call (the group's own sequence number,
 ``ProcessGroup._get_sequence_number_for_group``, which gloo advances once per collective) and the
-digest of the parameters after 2 windows. FSDP2 runs the plain loop too (bf16-mixed).
+digest of the parameters after one window. FSDP2 runs the plain loop too (bf16-mixed).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def run(recipe: str, mode: str, by_hand: bool) -> dict:
     model = mp.prepare(model, parallel=mode)
     opt = torch.optim.AdamW(mp.parameters(model), lr=1e-2)
     per_call = []
-    for step in range(2):
+    for step in range(1):
         x, y = TASK.get_batch(step)
         xs, ys = x.chunk(WORLD)[RANK].chunk(K), y.chunk(WORLD)[RANK].chunk(K)
         for m in range(K):

@@ -69,6 +69,8 @@ SCENARIOS = {
     "fsdp_loss_hook": ("fsdp", "bf16-mixed", 1, "loss_hook", (1,), (1, 0), 3, True),
     "fsdp_mid_backward": ("fsdp", "bf16-true", 1, "mid_backward", (1,), (1, 0), 3, True),
     "fsdp_forward": ("fsdp", "bf16-mixed", 1, "forward", (1,), (1, 0), 3, True),
+    # ... on every rank at once: no rank waits for a timeout, every rank raises at once from then on
+    "fsdp_mid_backward_all": ("fsdp", "bf16-mixed", 1, "mid_backward", (0, 1), (1, 0), 3, True),
     # one rank dies (uncaught, SIGKILL) or stops (SIGSTOP): run alone, on the default group
     "ddp_uncaught": ("ddp", "bf16-mixed", 1, "uncaught", (1,), (1, 0), 4, False),
     "fsdp_kill": ("fsdp", "bf16-mixed", 1, "kill", (1,), (1, 0), 3, False),
@@ -165,7 +167,18 @@ def run_scenario(name, out_dir):
     broken = any("DesyncError" in e.get("error", "") and "cannot be paired again" in e.get("error", "") for e in events)
     if not broken and point not in ("kill", "stop", "uncaught"):
         result["digest"] = W.digest(W.params(mp, model))  # (FSDP: a collective; the group is paired)
+    if broken:  # a broken rank writes no checkpoint: save_checkpoint starts with mp.state_dict()
+        try:
+            mp.state_dict()
+            result["state_dict"] = "ok"
+        except Exception as e:  # noqa: BLE001
+            result["state_dict"] = f"{type(e).__name__}: {e}"[:200]
     if name in RECOVER:  # every rank loads the checkpoint of step 0 and trains steps 1 and 2 again
+        try:  # refused on every rank before anything is written: latest stays the step-0 checkpoint loaded below
+            save_checkpoint(ckpt, model=model, optimizer=opt, mp=mp, scheduler=sched)
+            result["saveable"] = "ok"
+        except Exception as e:  # noqa: BLE001
+            result["saveable"] = f"{type(e).__name__}: {e}"[:200]
         load_checkpoint(ckpt, model=model, optimizer=opt, mp=mp, scheduler=sched)
         after = []
         for step in (1, 2):
@@ -180,6 +193,7 @@ def run_scenario(name, out_dir):
             with mp2.autocast():
                 logits = model2(x)
             mp2.step(charlm.lm_loss(logits, y), opt2, scheduler=sched2)
+        mp._dist.require_consistent()  # (loaded: consistent again)
         result["recovered"] = {"stepped": after, "digest": W.digest(W.params(mp, model)), "steps": mp._steps,
                                "epoch": sched.last_epoch, "local": _local_digest(model),
                                "uninterrupted": W.digest(W.params(mp2, model2)), "uninterrupted_steps": mp2._steps,

@@ -25,7 +25,7 @@ def accumulate_run(tmp_path_factory):
 def test_a_window_of_k_micro_steps_makes_exactly_one_gradient_all_reduce(accumulate_run, recipe):
     for rank in accumulate_run:
         calls = rank[f"ddp/{recipe}"]["collectives"]
-        assert calls == [0, 0, 2] * 2, f"collectives per mp.step call: {calls}"
+        assert calls == [0, 0, 2], f"collectives per mp.step call: {calls}"
         assert rank[f"ddp/{recipe}/by_hand"]["collectives"] == calls  # what a hand-written no_sync() loop makes
 
 
@@ -34,7 +34,7 @@ def test_the_result_is_bitwise_the_hand_written_no_sync_loop(accumulate_run, rec
     digests = {rank[f"ddp/{recipe}"]["digest"] for rank in accumulate_run}
     assert len(digests) == 1  # every replica the same
     assert digests == {rank[f"ddp/{recipe}/by_hand"]["digest"] for rank in accumulate_run}
-    assert {rank[f"ddp/{recipe}"]["steps"] for rank in accumulate_run} == {2}
+    assert {rank[f"ddp/{recipe}"]["steps"] for rank in accumulate_run} == {1}
 
 
 def test_fsdp2_accumulates_the_same_numbers_with_one_reduce_scatter_per_window(accumulate_run):

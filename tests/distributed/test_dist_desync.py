@@ -42,7 +42,7 @@ def desync_run(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def more_run(tmp_path_factory):
-    names = MORE + BROKEN
+    names = MORE + BROKEN + ("fsdp_mid_backward_all",)
     out = spawn(",".join(names), tmp_path_factory.mktemp("dist-desync-more"), script=SCRIPT, timeout=400)
     return {name: [rank[name] for rank in out] for name in names}
 
@@ -69,6 +69,8 @@ def _check_sticky_then_recovered(ranks, point, mode):
     first = _err(r0, 2)
     assert "rank 1 raised after the skip decision" in first and f"Boom: {point} on rank 1" in first
     assert "until every rank loads the same checkpoint" in first
+    for r in ranks:  # save_checkpoint refuses to write a mix of states
+        assert r["saveable"].startswith("DesyncError: cannot save a checkpoint: the replicas went apart")
     # what the error was for: the two ranks are not the same any more
     assert (r0["steps"], r0["epoch"]) != (r1["steps"], r1["epoch"]) or r0["local"] != r1["local"]
     for r in ranks:  # every rank loaded the step-0 checkpoint and trained steps 1, 2: the uninterrupted run
@@ -150,8 +152,17 @@ def test_a_rank_that_raised_inside_its_communication_is_a_clear_error_on_every_r
         assert later and all(e["error"].startswith("DesyncError: this rank's step stopped partway") for e in later)
         assert "restart the job" in later[0]["error"]
     assert r0["steps"] == r1["steps"] == 1  # no rank stepped after it
+    assert r0["state_dict"].startswith("DesyncError") and r1["state_dict"].startswith("DesyncError")  # no checkpoint
     if name.startswith("ddp"):
         assert r0["local"] == r1["local"]  # the replicas still agree
+
+
+@pytest.mark.slow
+def test_every_rank_raising_inside_its_communication_stops_every_rank_at_once(more_run):
+    for r, rank in enumerate(more_run["fsdp_mid_backward_all"]):
+        assert _err(rank, 1) == f"Boom: mid_backward on rank {r}"
+        assert any("cannot be paired again" in n for n in _at(rank, 1)["notes"])
+        assert _err(rank, 2).startswith("DesyncError: this rank's step stopped partway")
 
 
 # ---------------------------------------------------------------------------- a rank that dies or stops

@@ -1,10 +1,15 @@
 """examples/train_distributed.py under torch's own launcher (torchrun), 2 CPU processes: it trains,
 saves, and a second launch resumes from the checkpoint at the step it was saved."""
 
+import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+import pytest
 
 from mixprec_test_env import src_env
 
@@ -31,3 +36,52 @@ def test_the_torchrun_example_trains_saves_and_resumes(tmp_path):
                        "--checkpoint", str(tmp_path / "ck"), "--keep", "1")
     assert list(_losses(second)) == [21] and f"resumed from {tmp_path / 'ck' / 'step-000021'}" in second
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["latest", "step-000022"]  # keep 1
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(entry.name))
+    return out
+
+
+def _local_rank(pid: int) -> str | None:
+    try:
+        env = (Path("/proc") / str(pid) / "environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    return next((e.split(b"=", 1)[1].decode() for e in env if e.startswith(b"LOCAL_RANK=")), None)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the ranks through /proc (Linux)")
+def test_a_stopped_rank_ends_the_job_after_the_timeout_not_torchs_30_minutes(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(EXAMPLE),
+           "--steps", "100000", "--timeout", "6", "--parallel", "ddp"]
+    log = open(tmp_path / "out.log", "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=src_env(), start_new_session=True)
+    try:
+        deadline = time.monotonic() + 150
+        while "step    0" not in (tmp_path / "out.log").read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "out.log").read_text()[-3000:]
+            time.sleep(0.5)
+        ranks = [p for p in _children(proc.pid) if _local_rank(p) == "1"]
+        assert ranks, "no rank with LOCAL_RANK=1 under torchrun"
+        os.kill(ranks[0], signal.SIGSTOP)
+        stopped = time.monotonic()
+        rc = proc.wait(timeout=120)  # the other rank's collective raises after 6 s; torchrun then ends the job
+        took = time.monotonic() - stopped
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+    text = (tmp_path / "out.log").read_text()
+    assert rc != 0 and took < 120
+    assert "Timed out" in text or "timed out" in text, text[-3000:]

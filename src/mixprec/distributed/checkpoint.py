@@ -232,6 +232,8 @@ def save_checkpoint(path: str | Path, *, model: nn.Module, optimizer: Any, mp: A
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
         raise ValueError(f"keep must be a positive integer (how many checkpoints to keep) or None (all), got {keep!r}")
     opts = _opts(optimizer)
+    if mp._dist is not None:  # replicas that went apart (a DesyncError) would be saved as a mix: refused on every rank
+        mp._dist.require_consistent()
     state = _state(model, opts, mp, scheduler)  # (raises inside an accumulation window, on every rank alike)
     root, (rank, world) = Path(path), _rank_world()
     save_id = _on_rank0(lambda: layout.begin(root), f"preparing {root}")

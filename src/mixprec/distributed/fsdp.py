@@ -8,8 +8,9 @@ the gradients are reduce-scattered in ``FSDP.reduce_dtype`` (fp32 unless asked o
 Which parameters are gathered in 16 bits: exactly those the one-process recipe computes with in
 16 bits, so that a rank computes what one process computes on its micro-batch:
 
-- the weights of matmul modules (Linear, Conv, Bilinear, MultiheadAttention) that are not fp32
-  islands: autocast casts them to the compute dtype anyway (their biases too);
+- the weights of matmul modules (Linear, Conv, Bilinear, MultiheadAttention, Hugging Face's
+  ``Conv1D`` of GPT-2's blocks, an ``addmm``) that are not fp32 islands: autocast casts them to the
+  compute dtype anyway (their biases too);
 - for 16-bit storage recipes, also the parameters of other modules that the recipe stores in 16
   bits (not kept fp32 by its ``fp32_params`` rule);
 - everything else is gathered in fp32: the fp32 islands (the norms) and the modules inside them,
@@ -18,7 +19,11 @@ Which parameters are gathered in 16 bits: exactly those the one-process recipe c
   elementwise op sees its fp32 value on one process).
 
 FSDP2 puts one policy on a group of modules, so each unit is sharded as two groups: its fp32
-modules (``fully_shard([...])``: one group, one all-gather) and the rest. ``cast_forward_inputs``
+modules (``fully_shard([...])``: one group, one all-gather) and the rest. Modules that share a
+parameter (tied weights: GPT-2's ``wte`` and ``lm_head``, T5's ``shared``, both ``embed_tokens`` and
+``lm_head``) are one group of their own, made first: FSDP2 lets a parameter belong to one group
+only. It is gathered in fp32 when any of them uses the parameter in fp32 (an embedding), as one
+process holds it; autocast still computes ``lm_head`` in the compute dtype. ``cast_forward_inputs``
 is off: autocast decides what each op computes in, as on one process (with it on, every unit's
 fp32 input, the residual stream, would be cast to 16 bits).
 """
@@ -36,6 +41,41 @@ from mixprec.recipes import Recipe
 
 #: modules whose parameters only ever meet autocast-lowered ops (matmul, linear, conv)
 MATMUL_MODULES: tuple[type[nn.Module], ...] = (nn.Linear, nn.Bilinear, nn.modules.conv._ConvNd, nn.MultiheadAttention)
+
+
+
+def is_matmul(module: nn.Module) -> bool:
+    """A module whose parameters only ever meet autocast-lowered ops (``MATMUL_MODULES``, or Hugging
+    Face's ``Conv1D``: ``addmm(bias, x, weight)``; matched by name, transformers is not imported)."""
+    cls = type(module)
+    return isinstance(module, MATMUL_MODULES) or (cls.__name__ == "Conv1D" and cls.__module__.startswith("transformers"))
+
+
+def tied(model: nn.Module) -> list[list[str]]:
+    """The modules that share a parameter, as lists of qualified names (each list one group of ties)."""
+    owners: dict[int, list[str]] = {}
+    for name, module in model.named_modules():
+        for _, p in module.named_parameters(recurse=False):
+            owners.setdefault(id(p), []).append(name)
+    parent: dict[str, str] = {}
+
+    def find(n: str) -> str:
+        while parent.get(n, n) != n:
+            n = parent[n]
+        return n
+
+    for names in owners.values():
+        for other in names[1:]:
+            parent[find(other)] = find(names[0])
+    classes: dict[str, list[str]] = {}
+    for names in owners.values():
+        if len(names) > 1:
+            classes.setdefault(find(names[0]), [])
+    for n in {n for names in owners.values() if len(names) > 1 for n in names}:
+        classes[find(n)].append(n)
+    order = {n: i for i, (n, _) in enumerate(model.named_modules())}
+    return [sorted(set(c), key=order.__getitem__) for c in classes.values()]
+
 
 #: master-weight strategies FSDP2 can be: the sharded fp32 parameter is the master
 SHARDABLE_MASTERS = ("none", "fp32")
@@ -65,7 +105,7 @@ def fp32_modules(model: nn.Module, recipe: Recipe, fp32_params: Any) -> set[str]
             continue
         if any(i == "" or name == i or name.startswith(i + ".") for i in islands):
             out.add(name)
-        elif isinstance(module, MATMUL_MODULES) and getattr(module, "fp8_config", None) is None:
+        elif is_matmul(module) and getattr(module, "fp8_config", None) is None:
             continue  # (an fp8 layer casts its fp32 weight itself: gathered in bf16, it would be rounded twice)
         elif not recipe.stores_16bit or any((f"{name}.{local}" if name else local) in kept for local, _ in own):
             out.add(name)
@@ -141,7 +181,12 @@ def shard(model: nn.Module, recipe: Recipe, fp32_params: Any, cfg: Any, mesh: An
         kind = kinds[rest[0]] if rest and len({kinds[o] for o in rest}) == 1 else "compute"
         group([unit], kind, unit, output)
 
-    for unit in units(model, cfg.units):
+    unit_names = units(model, cfg.units)
+    for ties in tied(model):  # one group each, before the units (a parameter belongs to one group)
+        kind = "fp32" if any(t in fp32 for t in ties) else "compute"
+        holder = next((u for u in unit_names if all(under(t, u) for t in ties)), "")  # (deepest first)
+        group(ties, kind, holder)
+    for unit in unit_names:
         shard_unit(unit)
     shard_unit("", recipe.policy.output_dtype if compute is not None else None)
     return groups

@@ -283,6 +283,14 @@ class Parallel:
 
     # ------------------------------------------------------------------ state
 
+    def require_consistent(self, what: str = "save a checkpoint") -> None:
+        """Raise ``DesyncError`` when the replicas may differ (a ``DesyncError`` said so and no checkpoint
+        was loaded since) or this rank is broken: for ``save_checkpoint``, which would write a mix of states."""
+        self.alignment.require_usable()
+        if self.alignment.diverged:
+            raise DesyncError(f"cannot {what}: the replicas went apart ({self.alignment.diverged}) Load the last "
+                              "checkpoint on every rank first.")
+
     def state(self) -> dict[str, Any]:
         """What a checkpoint records of the layout (``mp.state_dict()["parallel"]``)."""
         self.alignment.require_usable()  # (a broken rank writes no checkpoint: its collectives would pair wrongly)
