@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.fp8 import delayed
+from mixprec.fp8 import delayed, weight_cache
 from mixprec.fp8.dist import amax_group, buffer_names, reduce_amax_
 from mixprec.fp8.options import check_options
 from mixprec.fp8.swap import Decision, backend_for, fp8_layers, swap
@@ -153,6 +153,8 @@ class Fp8Training:
     def after_step(self, skipped: torch.Tensor | None, parallel: Any = None) -> None:
         """The optimizer step is done (or was skipped: ``skipped`` True): advance delayed scaling, the
         current amaxes first reduced over the data-parallel ranks (``mixprec.fp8.dist``)."""
+        for _, m in self.layers:  # the weights change now: the cached fp8 casts go (``weight_cache``)
+            weight_cache.clear(m)
         if self.delayed and self.layers:
             histories = [m.fp8_amax_history for _, m in self.layers]
             if self.spec.reduce_amax:
