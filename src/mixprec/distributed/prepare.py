@@ -44,6 +44,8 @@ def prepare_parallel(mp: Any, model: nn.Module, spec: Any) -> nn.Module:
     fp32_rule = mp.masters.fp32_params if mp.masters is not None else ()
     mp.masters = None  # the sharded fp32 parameters are the masters; the optimizer steps them
     local = mp._prepare(model, check_params=False)
+    if cfg.fp8_all_gather:  # the fp8 layers' weights cross the wire as fp8 bits (mixprec.fp8.fsdp)
+        mp.fp8.enable_fp8_all_gather()
     mesh = cfg.mesh if cfg.mesh is not None else _default_mesh(mp.device)
     groups = _fsdp.shard(local, mp.recipe, fp32_rule, cfg, mesh)
     mp._dist = Parallel(cfg, local, local, group, mesh, groups)
@@ -103,6 +105,10 @@ def local_problems(mp: Any, model: nn.Module, cfg: DDP | FSDP) -> list[str]:
         why = _fsdp.unsupported(mp.recipe)
         if why:
             problems.append(why)
+        if cfg.fp8_all_gather:
+            from mixprec.fp8.fsdp import problem  # (a capability's own rule)
+
+            problems += [problem(mp.fp8_spec)] if problem(mp.fp8_spec) else []
         try:
             _fsdp.units(model, cfg.units)
         except ValueError as e:

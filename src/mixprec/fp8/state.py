@@ -164,6 +164,12 @@ class Fp8Training:
             delayed.update(histories, [m.fp8_scale for _, m in self.layers], self._formats,
                            self.spec.amax_compute_algo, self.spec.margin, skipped)
 
+    def enable_fp8_all_gather(self) -> None:
+        """``FSDP(fp8_all_gather=True)``: the fp8 layers' weights all-gather as fp8 (``mixprec.fp8.fsdp``)."""
+        from mixprec.fp8 import fsdp
+
+        fsdp.enable(self.layers)
+
     def buffer_names(self) -> list[str]:
         """The scaling buffers' qualified names in the model (kept out of DDP's broadcast)."""
         return buffer_names(self.model)

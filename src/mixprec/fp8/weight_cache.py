@@ -25,6 +25,7 @@ import torch
 
 from mixprec.fp8.casts import amax_fmax
 from mixprec.fp8.casts import quantize_raw as quantize
+from mixprec.fp8.fsdp import gathered
 
 ATTR = "_fp8_weight_cache"
 
@@ -32,6 +33,9 @@ ATTR = "_fp8_weight_cache"
 def cast_weight(layer: Any, weight: torch.Tensor, cfg: Any, scales: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
     """``(w_q, sw, amax)`` for the layer's forward: the cached cast when it is still valid, else a new
     one (kept for the next micro-batch when the cache is on)."""
+    bits = gathered(weight)  # FSDP2's fp8 all-gather made the cast already (``mixprec.fp8.fsdp``)
+    if bits is not None:
+        return (*bits, None)
     caching = cfg.cache_weight and not torch.compiler.is_compiling()
     token = (weight._version, weight.data_ptr(), None if scales is None else scales._version) if caching else None
     held = layer.__dict__.get(ATTR)
