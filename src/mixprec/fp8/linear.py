@@ -160,7 +160,8 @@ class Fp8Matmul:
         return self.weight
 
     def __getstate__(self) -> dict[str, Any]:  # a copy or a pickle casts its weight anew
-        state = dict(super().__getstate__())  # type: ignore[misc]
+        base = getattr(super(), "__getstate__", None)  # (object has one from Python 3.11)
+        state = dict(base() if base is not None else self.__dict__)
         state.pop(WEIGHT_CACHE, None)
         return state
 
