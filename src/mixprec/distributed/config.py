@@ -4,7 +4,7 @@ Both are frozen dataclasses (derive variants with ``dataclasses.replace``); ``as
 what a user passed into one of them, or says what it accepts.
 
 >>> as_parallel("fsdp")
-FSDP(reduce_dtype=torch.float32, mesh=None, units=None, reshard_after_forward=True)
+FSDP(reduce_dtype=torch.float32, mesh=None, units=None, reshard_after_forward=True, fp8_all_gather=False)
 >>> as_parallel(DDP(compress="bf16")).wire_dtype
 torch.bfloat16
 """
