@@ -19,6 +19,7 @@ def _run(script: str, *args: str, timeout: float = 240) -> subprocess.CompletedP
                           capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_the_weight_cache_benchmark_checks_bitwise_and_prints_its_table(tmp_path):
     out = tmp_path / "cache.json"
     r = _run("fp8_weight_cache.py", "--d", "32", "--tokens", "8", "--accumulate", "2", "--rounds", "2", "--json", str(out))
