@@ -62,6 +62,7 @@ class Fp8Spec:
     skip_first_last: bool = True
     exclude: tuple[str, ...] = ()
     gemm: str = "auto"
+    cache_weight: bool = True  # reuse a weight's fp8 cast across the micro-batches of a window (bitwise the same)
 
     def __post_init__(self) -> None:
         from mixprec.fp8.options import check_spec  # every field's type and range (a capability's own rules)

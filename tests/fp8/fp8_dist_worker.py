@@ -60,6 +60,7 @@ def state(mp, model) -> dict:
 
 
 def run(recipe: str, parallel, fp8=None) -> dict:
+    """Train 3 steps; the state reached (``state``) and, sharded, this rank's elements of fp8 weights."""
     torch.manual_seed(0)
     model = TASK.build_model()
     mp = mixprec.MixedPrecision(recipe, "cpu", accumulate=1 if parallel else WORLD, fp8=fp8)
@@ -80,11 +81,77 @@ def run(recipe: str, parallel, fp8=None) -> dict:
             with mp.autocast():
                 loss = TASK.loss_fn(model(x.chunk(WORLD)[k]), y.chunk(WORLD)[k])
             mp.step(loss if parallel else loss * WORLD, opt)
-    return state(mp, model)
+    out = state(mp, model)
+    local = model.module if hasattr(model, "module") else model
+    out["fp8_weight_shard_numel"] = sum(m.weight.to_local().numel() if hasattr(m.weight, "to_local") else 0
+                                        for _, m in fp8_layers(local))
+    out["gathered_as"] = sorted({type(m.weight.to_local()).__name__ for _, m in fp8_layers(local)
+                                 if hasattr(m.weight, "to_local")})
+    return out
+
+
+class WireBytes:
+    """Counts the bytes each all-gather this rank sends (FSDP2 calls ``dist.all_gather_single``)."""
+
+    def __init__(self) -> None:
+        self.sent: list[int] = []
+        self._real = dist.all_gather_single
+
+    def __enter__(self) -> "WireBytes":
+        def counted(output, input, *args, **kwargs):
+            self.sent.append(input.numel() * input.element_size())
+            return self._real(output, input, *args, **kwargs)
+
+        dist.all_gather_single = counted
+        return self
+
+    def __exit__(self, *exc) -> None:
+        dist.all_gather_single = self._real
+
+
+def wire() -> dict:
+    from mixprec.distributed import FSDP
+
+    out = {}
+    for gather8 in (False, True):
+        with WireBytes() as wb:
+            r = run("fp8-current", FSDP(fp8_all_gather=gather8))
+        r["all_gather_bytes_per_step"] = sum(wb.sent) / STEPS
+        out[f"fsdp/fp8-current/gather8={gather8}"] = r
+    return out
+
+
+def resume(path: Path) -> dict:
+    """fp8 all-gather through a sharded checkpoint: save after step 1, go on; load into a fresh model, go on."""
+    from mixprec.distributed import FSDP, load_checkpoint, save_checkpoint
+
+    def fresh():
+        torch.manual_seed(0)
+        mp = mixprec.MixedPrecision("fp8-current", "cpu")
+        model = mp.prepare(TASK.build_model(), parallel=FSDP(fp8_all_gather=True))
+        return mp, model, torch.optim.AdamW(mp.parameters(model), lr=1e-2)
+
+    def steps(mp, model, opt, which):
+        for step in which:
+            x, y = TASK.get_batch(step)
+            with mp.autocast():
+                loss = TASK.loss_fn(model(x.chunk(WORLD)[RANK]), y.chunk(WORLD)[RANK])
+            mp.step(loss, opt)
+
+    mp, model, opt = fresh()
+    steps(mp, model, opt, range(2))
+    save_checkpoint(str(path), model=model, optimizer=opt, mp=mp)
+    steps(mp, model, opt, range(2, 4))
+    straight = state(mp, model)["params"]
+    mp2, model2, opt2 = fresh()
+    load_checkpoint(str(path), model=model2, optimizer=opt2, mp=mp2)
+    steps(mp2, model2, opt2, range(2, 4))
+    return {"straight": straight, "resumed": state(mp2, model2)["params"]}
 
 
 def match() -> dict:
-    out = {}
+    out = wire()
+    out["resume"] = resume(Path(sys.argv[2]) / "ckpt")
     for recipe in ("fp8-current", "fp8-delayed"):
         fp8 = {"amax_history_len": 4} if recipe == "fp8-delayed" else None
         out[f"ref/{recipe}"] = run(recipe, None, fp8)

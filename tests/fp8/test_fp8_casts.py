@@ -176,3 +176,16 @@ def test_a_scale_that_is_not_finite_and_positive_is_refused(s):
         quantize(x, s if isinstance(s, torch.Tensor) else torch.tensor(s), E4M3)
     with pytest.raises(ValueError, match="dequantize: the scale must be finite and positive"):
         dequantize(quantize(x, torch.tensor(1.0), E4M3), s)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_delayed_scale_never_reaches_zero_or_inf_within_the_allowed_margins(fmt):
+    # issue 33: a margin of 200 made every scale 0. Within 0..14 the smallest scale, fp32's largest amax at
+    # margin 14, is a positive subnormal; the largest, a subnormal amax at margin 0, is clamped to fp32's max
+    from mixprec.fp8.options import max_margin
+
+    f32 = torch.finfo(torch.float32)
+    prev = torch.tensor(1.0)
+    lo = delayed_scale(torch.tensor(f32.max), prev, fmt, margin=max_margin())
+    hi = delayed_scale(torch.tensor(2.0**-149), prev, fmt, margin=0)
+    assert 0 < float(lo) < f32.tiny and float(hi) == f32.max

@@ -153,3 +153,14 @@ def test_gpt2_under_fp8_delayed_resumes_bit_for_bit():
     opt2.load_state_dict(ck["opt"])
     mp2.load_state_dict(ck["mp"])
     assert run(model2, mp2, opt2, range(3, 6)) == straight
+
+
+def test_the_memory_planner_counts_gpt2s_conv1d_as_matmuls_and_its_fp8_copies():
+    from mixprec.memory.measure import count_params
+    from mixprec.recipes import get_recipe
+
+    model = _gpt2()
+    counts = count_params(model, get_recipe("fp8-current"))
+    convs = {n: m.weight.numel() for n, m in model.named_modules() if isinstance(m, Conv1D)}
+    assert counts.fp8_weights == sum(v for n, v in convs.items() if n != "transformer.h.0.attn.c_attn")
+    assert counts.matmul_weights >= sum(convs.values()) >= counts.fp8_weights  # (the bf16 copies: matmul - fp8)

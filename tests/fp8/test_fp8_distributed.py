@@ -48,3 +48,21 @@ def test_with_reduce_amax_off_each_rank_keeps_its_own_history(match_run):
     for key, row in r0["step0_amax"].items():  # step 0 (scale 1 everywhere): the global amax is the larger rank's
         other = r1["step0_amax"][key]
         assert [max(a, b) for a, b in zip(row, other)] == ref[key], key
+
+
+def test_fp8_all_gather_sends_a_quarter_of_the_fp8_weights_bytes_and_trains_bitwise_the_same(match_run):
+    # issue 28.7: torchao's enable_fsdp_float8_all_gather. Each rank casts its shard with the whole weight's
+    # scale (the shards' amaxes all-reduced), so the gathered bits are what the layer would cast itself
+    for rank in match_run:
+        fp32, fp8 = rank["fsdp/fp8-current/gather8=False"], rank["fsdp/fp8-current/gather8=True"]
+        assert fp8["gathered_as"] == ["Fp8ShardWeight"] and fp32["gathered_as"] == ["Tensor"]
+        assert fp8["params"] == fp32["params"] == rank["ref/fp8-current"]["params"]  # bitwise one process
+        saved = fp32["all_gather_bytes_per_step"] - fp8["all_gather_bytes_per_step"]
+        n = fp8["fp8_weight_shard_numel"]
+        # 3 bytes saved per fp8 weight element (4 -> 1), twice a step: gathered for forward, again for backward
+        assert n > 0 and saved == 3 * n * 2, (saved, n)
+
+
+def test_an_fp8_all_gather_run_resumes_from_a_sharded_checkpoint_bit_for_bit(match_run):
+    for rank in match_run:
+        assert rank["resume"]["resumed"] == rank["resume"]["straight"]

@@ -74,14 +74,14 @@ ADVICE = ("Delayed scaling saturates after an amax spike until its history catch
           "scaling (fp8-current), a margin, or keep the layer in bf16 (fp8={'exclude': [...]})")
 
 
-def summary(events: list[Fp8Saturation], minor: int, n: int = 3) -> str:
+def summary(events: list[Fp8Saturation], minor: int, n: int = 3, spike: float = SPIKE, fraction: float = FRACTION) -> str:
     """One warning's text: the steps, how many events, the ``n`` worst (largest fraction, then spike)."""
     worst = sorted(events, key=lambda e: (-e.fraction, -(e.spike if e.spike == e.spike else 0.0)))[:n]
     first, last = min(e.step for e in events), max(e.step for e in events)
     steps = f"step {first}" if first == last else f"steps {first}-{last}"
     tail = f" (and {minor} minor ones since the last warning, recorded only)" if minor else ""
-    return (f"fp8 casts saturated in {steps}: {len(events)} that matter (a x{SPIKE:g} spike against the layer's own "
-            f"history, or >= {100 * FRACTION:g}% of a cast){tail}; worst: " + "; ".join(e.describe() for e in worst)
+    return (f"fp8 casts saturated in {steps}: {len(events)} that matter (a x{spike:g} spike against the layer's own "
+            f"history, or >= {100 * fraction:g}% of a cast){tail}; worst: " + "; ".join(e.describe() for e in worst)
             + f". Every event is in guard.fp8_saturations. {ADVICE}")
 
 
@@ -137,5 +137,6 @@ class SaturationWatch:
 
     def _flush(self) -> None:
         if self._pending and self._warn:
-            warnings.warn(summary(self._pending, self._minor), Fp8SaturationWarning, stacklevel=4)
+            warnings.warn(summary(self._pending, self._minor, spike=self.spike, fraction=self.fraction),
+                          Fp8SaturationWarning, stacklevel=4)
         self._pending, self._minor = [], 0

@@ -4,7 +4,7 @@ Both are frozen dataclasses (derive variants with ``dataclasses.replace``); ``as
 what a user passed into one of them, or says what it accepts.
 
 >>> as_parallel("fsdp")
-FSDP(reduce_dtype=torch.float32, mesh=None, units=None, reshard_after_forward=True)
+FSDP(reduce_dtype=torch.float32, mesh=None, units=None, reshard_after_forward=True, fp8_all_gather=False)
 >>> as_parallel(DDP(compress="bf16")).wire_dtype
 torch.bfloat16
 """
@@ -85,12 +85,15 @@ class FSDP:
             transformer), then the root.
         reshard_after_forward: free each unit's gathered parameters after its forward (and
             gather them again for backward): less memory, more communication.
+        fp8_all_gather: an fp8 recipe's fp8 layers all-gather their weights as fp8 bits, 1 byte per
+            element instead of 4 (torchao's ``enable_fsdp_float8_all_gather``; ``mixprec.fp8.fsdp``).
     """
 
     reduce_dtype: Any = torch.float32
     mesh: Any = None
     units: Sequence[Any] | None = None
     reshard_after_forward: bool = True
+    fp8_all_gather: bool = False
 
     mode = "fsdp"
 

@@ -48,6 +48,8 @@ def plug(model: nn.Module, spec: Any, local: Local) -> Plugged:
     fp32_rule = local.masters.fp32_params if local.masters is not None else ()
     # the sharded fp32 parameters are the masters (the optimizer steps them): the facade keeps none
     inner = local.apply(model, check_params=False, masters=False)
+    if cfg.fp8_all_gather:  # the fp8 layers' weights cross the wire as fp8 bits (mixprec.fp8.fsdp)
+        local.fp8_state().enable_fp8_all_gather()
     mesh = cfg.mesh if cfg.mesh is not None else _default_mesh(local.device)
     groups = _fsdp.shard(inner, local.recipe, fp32_rule, cfg, mesh)
     strategy = Parallel(cfg, inner, inner, group, mesh, groups, accumulate=local.accumulate, device=local.device)
@@ -107,6 +109,10 @@ def local_problems(mp: Local, model: nn.Module, cfg: DDP | FSDP) -> list[str]:
         why = _fsdp.unsupported(mp.recipe)
         if why:
             problems.append(why)
+        if cfg.fp8_all_gather:
+            from mixprec.fp8.fsdp import problem  # (a capability's own rule)
+
+            problems += [problem(mp.fp8_spec)] if problem(mp.fp8_spec) else []
         try:
             _fsdp.units(model, cfg.units)
         except ValueError as e:

@@ -32,6 +32,8 @@ from mixprec.fp8 import gemm
 from mixprec.fp8.casts import FloatFormat, amax, amax_fmax, current_scale, role_formats
 from mixprec.fp8.casts import quantize_raw as quantize
 from mixprec.fp8.delayed import record_
+from mixprec.fp8.weight_cache import ATTR as WEIGHT_CACHE
+from mixprec.fp8.weight_cache import cast_weight
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +42,8 @@ class Fp8Config:
 
     Attributes: ``formats`` (input, weight, grad_output), ``scaling`` ("delayed", "current" or
     "none"), ``rowwise``, ``pow2`` (scales rounded down to powers of two), ``backend`` ("emulate"
-    or "scaled_mm"), ``mx`` (MXFP8 block scaling, ``mixprec.fp8.mx``, with ``mx_mode``).
+    or "scaled_mm"), ``mx`` (MXFP8 block scaling, ``mixprec.fp8.mx``, with ``mx_mode``), ``cache_weight``
+    (reuse the weight's fp8 cast within an accumulation window: ``mixprec.fp8.weight_cache``).
     """
 
     formats: tuple[FloatFormat, FloatFormat, FloatFormat]
@@ -50,11 +53,12 @@ class Fp8Config:
     backend: str = "emulate"
     mx: bool = False
     mx_mode: str = "rceil"
+    cache_weight: bool = True
 
     @classmethod
     def from_spec(cls, spec: Any, backend: str) -> "Fp8Config":
         return cls(role_formats(spec.format), spec.scaling, spec.granularity == "rowwise", spec.pow2_scales, backend,
-                   spec.granularity == "mx")
+                   spec.granularity == "mx", cache_weight=spec.cache_weight)
 
     def scale(self, t: torch.Tensor, role: int, dim: int | None, delayed: torch.Tensor | None) -> torch.Tensor:
         """The scale that casts ``t`` in ``role``: computed from ``t`` (current scaling, along ``dim``
@@ -71,13 +75,13 @@ class _Fp8LinearFn(torch.autograd.Function):
     """``x @ w.T`` from fp8 operands; both gradients from fp8 operands (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None,
-                history: torch.Tensor | None, cfg: Fp8Config, observers: tuple) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, w_q: torch.Tensor, sw: torch.Tensor,
+                scales: torch.Tensor | None, history: torch.Tensor | None, cfg: Fp8Config,
+                observers: tuple) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
         fx, fw, _ = cfg.formats
-        sx, sw = cfg.scale(x2, 0, -1, scales), cfg.scale(weight, 1, -1, scales)
-        # (``contiguous``: a transposed weight, Conv1D's, gives the bits nn.Linear's layout; a no-op otherwise)
-        x_q, w_q = quantize(x2, sx, fx), quantize(weight, sw, fw).contiguous()
+        sx = cfg.scale(x2, 0, -1, scales)
+        x_q = quantize(x2, sx, fx)  # (the weight's cast comes in: ``weight_cache``)
         for obs in observers:
             obs.cast(0, x2, x_q, sx, fx)
             obs.cast(1, weight, w_q, sw, fw)
@@ -131,7 +135,7 @@ class _Fp8LinearFn(torch.autograd.Function):
                 grad_w = gemm.grad_weight(g_q, sg, x_q, sx, cfg.backend)
         if grad_x is not None:
             grad_x = grad_x.reshape(ctx.x_shape)
-        return grad_x, grad_w, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None, None
 
 
 class Fp8Matmul:
@@ -155,25 +159,31 @@ class Fp8Matmul:
         """The weight as ``(out_features, in_features)``."""
         return self.weight
 
+    def __getstate__(self) -> dict[str, Any]:  # a copy or a pickle casts its weight anew
+        base = getattr(super(), "__getstate__", None)  # (object has one from Python 3.11)
+        state = dict(base() if base is not None else self.__dict__)
+        state.pop(WEIGHT_CACHE, None)
+        return state
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         device = x.device.type
         if torch.is_autocast_enabled(device):  # compute from the autocast dtype, as F.linear would
             x = x.to(torch.get_autocast_dtype(device))
         cfg = self.fp8_config
         weight = self.fp8_weight()
-        scales = history = None
-        if cfg.scaling == "delayed":
-            scales = self.fp8_scale
-            if self.training and torch.is_grad_enabled():  # an eval forward leaves the history alone
-                history = self.fp8_amax_history
-                record_(history, slice(0, 2), torch.stack((amax_fmax(x), amax_fmax(weight))))
+        scales = self.fp8_scale if cfg.scaling == "delayed" else None
         with torch.autocast(device, enabled=False):
             if cfg.mx:  # block scaling: its own GEMMs (mixprec.fp8.mx)
                 from mixprec.fp8.mx import MxLinearFn
 
                 out = MxLinearFn.apply(x, weight, cfg, self.fp8_observers)
             else:
-                out = _Fp8LinearFn.apply(x, weight, scales, history, cfg, self.fp8_observers)
+                w_q, sw, w_amax = cast_weight(self, weight, cfg, scales)  # (cached within a window)
+                history = None
+                if scales is not None and self.training and torch.is_grad_enabled():  # eval leaves the history alone
+                    history = self.fp8_amax_history
+                    record_(history, slice(0, 2), torch.stack((amax_fmax(x), w_amax)))
+                out = _Fp8LinearFn.apply(x, weight, w_q, sw, scales, history, cfg, self.fp8_observers)
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)
         return out

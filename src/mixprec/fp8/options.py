@@ -23,7 +23,7 @@ CHOICES = {"scaling": ("delayed", "current", "none"), "format": ("hybrid", "e4m3
            "gemm": ("auto", "emulate", "scaled_mm")}
 #: the fields only delayed scaling reads, and their defaults (TE's)
 DELAYED_ONLY = {"amax_history_len": 1024, "amax_compute_algo": "max", "margin": 0, "reduce_amax": True}
-BOOLS = ("pow2_scales", "skip_first_last", "reduce_amax")
+BOOLS = ("pow2_scales", "skip_first_last", "reduce_amax", "cache_weight")
 
 
 def max_margin() -> int:

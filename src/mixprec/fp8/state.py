@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.fp8 import delayed
+from mixprec.fp8 import delayed, weight_cache
 from mixprec.fp8.dist import amax_group, buffer_names, reduce_amax_
 from mixprec.fp8.options import check_options
 from mixprec.fp8.swap import Decision, backend_for, fp8_layers, swap
@@ -153,6 +153,8 @@ class Fp8Training:
     def after_step(self, skipped: torch.Tensor | None, parallel: Any = None) -> None:
         """The optimizer step is done (or was skipped: ``skipped`` True): advance delayed scaling, the
         current amaxes first reduced over the data-parallel ranks (``mixprec.fp8.dist``)."""
+        for _, m in self.layers:  # the weights change now: the cached fp8 casts go (``weight_cache``)
+            weight_cache.clear(m)
         if self.delayed and self.layers:
             histories = [m.fp8_amax_history for _, m in self.layers]
             if self.spec.reduce_amax:
@@ -161,6 +163,12 @@ class Fp8Training:
                     reduce_amax_(histories, group)
             delayed.update(histories, [m.fp8_scale for _, m in self.layers], self._formats,
                            self.spec.amax_compute_algo, self.spec.margin, skipped)
+
+    def enable_fp8_all_gather(self) -> None:
+        """``FSDP(fp8_all_gather=True)``: the fp8 layers' weights all-gather as fp8 (``mixprec.fp8.fsdp``)."""
+        from mixprec.fp8 import fsdp
+
+        fsdp.enable(self.layers)
 
     def buffer_names(self) -> list[str]:
         """The scaling buffers' qualified names in the model (kept out of DDP's broadcast)."""

@@ -38,7 +38,7 @@ MX_MULTIPLE = 32  # MXFP8: every reduction axis cut into 32-element blocks
 ISLAND = "an fp32 island"
 LM_HEAD = "the LM head (torchao keeps it in bf16)"
 _BUFFERS = ("fp8_amax_history", "fp8_scale")
-_ATTRS = ("fp8_config", "fp8_name", "fp8_observers", "fp8_original_class")
+_ATTRS = ("fp8_config", "fp8_name", "fp8_observers", "fp8_original_class", "_fp8_weight_cache")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec.fp8.conv1d import is_conv1d
 from mixprec.instruments.storage import LiveBytes, storage_bytes
 from mixprec.masters import fp32_param_names
 from mixprec.memory.plan import ParamCounts
@@ -34,7 +35,7 @@ from mixprec.recipes import Recipe, as_device, resolve_recipe
 from mixprec.tasks import Task, to_device
 from mixprec.training import MixedPrecision
 
-_MATMUL = (nn.Linear, nn.Bilinear, nn.modules.conv._ConvNd)
+_MATMUL = (nn.Linear, nn.Bilinear, nn.modules.conv._ConvNd)  # and Hugging Face's Conv1D (GPT-2's), a matmul too
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
@@ -71,7 +72,7 @@ def count_params(model: nn.Module, recipe: Recipe) -> ParamCounts:
         largest = max((p.numel() for p in params.values() if p.requires_grad and id(p) not in kept_ids), default=0)
     matmul: dict[int, int] = {}
     for m in model.modules():
-        if isinstance(m, _MATMUL) and isinstance(getattr(m, "weight", None), nn.Parameter):
+        if (isinstance(m, _MATMUL) or is_conv1d(m)) and isinstance(getattr(m, "weight", None), nn.Parameter):
             matmul[id(m.weight)] = m.weight.numel()
         if isinstance(m, nn.MultiheadAttention):
             for name in ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight"):
