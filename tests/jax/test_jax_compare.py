@@ -1,6 +1,7 @@
 """The JAX twin of compare: the torch side's plan, verdict rules and report over JAX runs."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -100,3 +101,32 @@ def test_xla_cpu_keeps_excess_precision_by_default_and_the_option_removes_it():
     assert float(jax.jit(f, compiler_options=COMPILER_OPTIONS)(x)[0]) == 1000.0
     if jax.default_backend() == "cpu":
         assert float(jax.jit(f)(x)[0]) == 1000.25  # XLA's CPU default: no bf16 rounding at all
+
+
+def test_a_task_whose_init_ignores_its_key_is_refused_before_training():
+    """The docs' old example: identical fp32 seeds, a band at its 1% floor, judged without a word."""
+    import jax.numpy as jnp
+    import optax
+
+    from mixprec.jax import JaxTask
+    from mixprec.tasks import TaskError
+
+    def make():
+        return JaxTask(name="zeros", init_params=lambda key: {"w": jnp.zeros((8, 4))},
+                       get_batch=lambda step: (np.ones((4, 8), np.float32), np.ones((4, 4), np.float32)),
+                       apply=lambda p, x, r: x @ p["w"], loss_fn=lambda o, y: jnp.mean((o - y) ** 2),
+                       make_optimizer=lambda: optax.adam(0.1), steps=5)
+
+    with pytest.raises(TaskError, match="identical parameters for the keys of seeds 0 and 1.*jax.random.normal"):
+        compare(make, ("bf16-mixed",))
+
+
+def test_the_report_describes_jax_not_torch(tracks, tmp_path):
+    from mixprec.instruments.machine import describe
+
+    machine = tracks.to_dict()["machine"]
+    assert machine["jax"] and machine["backend"] and "cpu_capability" not in machine and "threads" not in machine
+    line = describe(tracks.machine())
+    assert "XLA" in line and "jax" in line and "torch" not in line
+    html = (Path(tracks.write(str(tmp_path / "r"))["html"])).read_text()
+    assert "XLA sizes its own CPU threads" in html and "torch threads" not in html and "jax 0." in html

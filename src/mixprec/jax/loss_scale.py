@@ -214,15 +214,18 @@ class DynamicLossScale:
                 f"DynamicLossScale: factor must be > 1, got {self.factor!r} (a factor of 1 never changes the scale: "
                 "use StaticLossScale)"
             )
-        lo = float(np.asarray(self.min_loss_scale))
+        lo = np.asarray(self.min_loss_scale, np.float64)
         if self.max_loss_scale is not None:
-            hi = float(np.asarray(self.max_loss_scale))
-            if not hi >= lo:
-                raise ValueError(f"DynamicLossScale: max_loss_scale ({hi:g}) is below min_loss_scale ({lo:g})")
-            if not _is_tracer(self.loss_scale) and float(np.asarray(self.loss_scale)) > hi:
-                raise ValueError(
-                    f"DynamicLossScale: loss_scale ({float(np.asarray(self.loss_scale)):g}) is above max_loss_scale ({hi:g})"
-                )
+            hi = np.asarray(self.max_loss_scale, np.float64)
+            if not (hi >= lo).all():
+                raise ValueError(f"DynamicLossScale: max_loss_scale ({hi.tolist()}) is below min_loss_scale ({lo.tolist()})")
+            # a batch of scales (one per vmapped replica, say) is checked element by element
+            if type(self.loss_scale) is not object and not _is_tracer(self.loss_scale):
+                scale = np.asarray(self.loss_scale, np.float64)
+                if (scale > hi).any():
+                    raise ValueError(
+                        f"DynamicLossScale: loss_scale ({scale.tolist()}) is above max_loss_scale ({hi.tolist()})"
+                    )
 
     def scale(self, tree: T) -> T:
         return jax.tree_util.tree_map(lambda x: x * self.loss_scale, tree)
