@@ -34,6 +34,10 @@ def run(args: argparse.Namespace) -> int:
         task_kwargs = parse_task_args(args.task_arg)
     except ValueError as e:
         return error(str(e))
+    if getattr(args, "nproc", 1) != 1:
+        return error(f"--nproc {args.nproc} launches torch processes (torchrun); --backend jax runs in one process. "
+                     "For data parallelism in JAX, shard the task's step over jax.devices() (docs/jax.md, "
+                     "'Several devices'), or drop --nproc")
     if args.threads is not None:
         err.print("note: --threads applies to torch; XLA sizes its own CPU thread pool", highlight=False)
     supported = [n for n in recipe_names() if n != "auto"]

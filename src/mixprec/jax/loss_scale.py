@@ -124,6 +124,19 @@ class StaticLossScale:
 
     loss_scale: Any
 
+    def __post_init__(self) -> None:
+        value = self.loss_scale
+        if _is_tracer(value) or type(value) is object:
+            return
+        ok = isinstance(value, (int, float, np.number, np.ndarray, jax.Array)) and not isinstance(value, (bool, np.bool_))
+        if ok:
+            ok = np.issubdtype(np.asarray(value).dtype, np.floating) or np.issubdtype(np.asarray(value).dtype, np.integer)
+        if not ok:
+            raise TypeError(
+                f"StaticLossScale: loss_scale must be a number or a float array (e.g. 2.0**15), got "
+                f"{type(value).__name__} {value!r}"
+            )
+
     def scale(self, tree: T) -> T:
         return jax.tree_util.tree_map(lambda x: x * self.loss_scale, tree)
 
