@@ -66,3 +66,22 @@ def test_api_bad_input_is_refused_with_what_to_do(call, exc, fragment):
     with pytest.raises(exc) as info:
         call()
     assert fragment in str(info.value)
+
+
+def test_recipes_all_runs_only_what_computes_something_of_its_own(monkeypatch, capsys):
+    """'all' on the JAX side: no -true recipe (its -mixed twin here), no torch-only scheme; an explicit -true
+    recipe is run with a note that it is its twin."""
+    import mixprec.jax.comparison as comparison
+
+    seen = {}
+
+    def fake_compare(task, recipes, **kwargs):
+        seen["recipes"] = list(recipes)
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(comparison, "compare", fake_compare)
+    assert main(["compare", "--backend", "jax", "--recipes", "all", "--out", ""]) == 2
+    assert seen["recipes"] == ["fp32", "bf16-mixed", "fp16-mixed", "fp8-current", "fp8-delayed", "fp8-unscaled"]
+    capsys.readouterr()
+    assert main(["compare", "--backend", "jax", "--recipes", "bf16-true", "--out", ""]) == 2
+    assert "bf16-true computes exactly like bf16-mixed" in " ".join(capsys.readouterr().err.split())
