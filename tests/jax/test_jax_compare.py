@@ -130,3 +130,27 @@ def test_the_report_describes_jax_not_torch(tracks, tmp_path):
     assert "XLA" in line and "jax" in line and "torch" not in line
     html = (Path(tracks.write(str(tmp_path / "r"))["html"])).read_text()
     assert "XLA sizes its own CPU threads" in html and "torch threads" not in html and "jax 0." in html
+
+
+def test_the_per_computation_option_is_the_flag_set_before_the_backend_starts():
+    """compare sets excess precision off per compiled step; the same runs with the process-wide flag
+    (XLA_FLAGS before jax starts, in a subprocess) and no per-step option give bitwise the same losses."""
+    import os
+    import subprocess
+    import sys
+
+    from mixprec_test_env import src_env
+
+    code = ("import json, sys\n"
+            "import mixprec.jax.comparison as C\n"
+            "C.COMPILER_OPTIONS = {}\n"
+            "r = C.compare('jax_tasks:make_task', ('bf16-mixed',), steps=8, task_kwargs={'kind': 'offset1000'})\n"
+            "print(json.dumps(r.run_for('bf16-mixed').loss.tolist()))\n")
+    env = src_env()
+    env["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_allow_excess_precision=false").strip()
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    flagged = json.loads(proc.stdout.strip().splitlines()[-1])
+    here = compare("jax_tasks:make_task", ("bf16-mixed",), steps=8, task_kwargs={"kind": "offset1000"})
+    assert here.run_for("bf16-mixed").loss.tolist() == flagged
