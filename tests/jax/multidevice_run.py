@@ -120,5 +120,10 @@ xs, ys = jax.device_put(xb, NamedSharding(mesh, P("d"))), jax.device_put(yb, Nam
 gj = jax.jit(jax.grad(lambda p, x, y: jnp.sum((policy.cast_to_output(policy.cast_to_compute(x) @ policy.cast_to_compute(p)["w"])
                                               - y) ** 2) * 2500.0))
 out["jit_named_sharding"] = {"all_reduce": all_reduce_dtypes(gj.lower(w0, xs, ys).compile())}
+report = mpj.audit(gj, w0, xs, ys)
+out["audit_jit"] = {"kinds": [f.kind for f in report.findings], "where": [f.where for f in report.findings],
+                    "collectives": report.collectives}
+report = mpj.audit(dp_grads(True), w0, xb, yb)
+out["audit_fp32_reduce"] = {"kinds": [f.kind for f in report.findings], "collectives": report.collectives}
 
 json.dump(out, sys.stdout)

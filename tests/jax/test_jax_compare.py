@@ -1,6 +1,7 @@
 """The JAX twin of compare: the torch side's plan, verdict rules and report over JAX runs."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -100,3 +101,56 @@ def test_xla_cpu_keeps_excess_precision_by_default_and_the_option_removes_it():
     assert float(jax.jit(f, compiler_options=COMPILER_OPTIONS)(x)[0]) == 1000.0
     if jax.default_backend() == "cpu":
         assert float(jax.jit(f)(x)[0]) == 1000.25  # XLA's CPU default: no bf16 rounding at all
+
+
+def test_a_task_whose_init_ignores_its_key_is_refused_before_training():
+    """The docs' old example: identical fp32 seeds, a band at its 1% floor, judged without a word."""
+    import jax.numpy as jnp
+    import optax
+
+    from mixprec.jax import JaxTask
+    from mixprec.tasks import TaskError
+
+    def make():
+        return JaxTask(name="zeros", init_params=lambda key: {"w": jnp.zeros((8, 4))},
+                       get_batch=lambda step: (np.ones((4, 8), np.float32), np.ones((4, 4), np.float32)),
+                       apply=lambda p, x, r: x @ p["w"], loss_fn=lambda o, y: jnp.mean((o - y) ** 2),
+                       make_optimizer=lambda: optax.adam(0.1), steps=5)
+
+    with pytest.raises(TaskError, match="identical parameters for the keys of seeds 0 and 1.*jax.random.normal"):
+        compare(make, ("bf16-mixed",))
+
+
+def test_the_report_describes_jax_not_torch(tracks, tmp_path):
+    from mixprec.instruments.machine import describe
+
+    machine = tracks.to_dict()["machine"]
+    assert machine["jax"] and machine["backend"] and "cpu_capability" not in machine and "threads" not in machine
+    line = describe(tracks.machine())
+    assert "XLA" in line and "jax" in line and "torch" not in line
+    html = (Path(tracks.write(str(tmp_path / "r"))["html"])).read_text()
+    assert "XLA sizes its own CPU threads" in html and "torch threads" not in html and "jax 0." in html
+
+
+def test_the_per_computation_option_is_the_flag_set_before_the_backend_starts():
+    """compare sets excess precision off per compiled step; the same runs with the process-wide flag
+    (XLA_FLAGS before jax starts, in a subprocess) and no per-step option give bitwise the same losses."""
+    import os
+    import subprocess
+    import sys
+
+    from mixprec_test_env import src_env
+
+    code = ("import json, sys\n"
+            "import mixprec.jax.comparison as C\n"
+            "C.COMPILER_OPTIONS = {}\n"
+            "r = C.compare('jax_tasks:make_task', ('bf16-mixed',), steps=8, task_kwargs={'kind': 'offset1000'})\n"
+            "print(json.dumps(r.run_for('bf16-mixed').loss.tolist()))\n")
+    env = src_env()
+    env["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_allow_excess_precision=false").strip()
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    flagged = json.loads(proc.stdout.strip().splitlines()[-1])
+    here = compare("jax_tasks:make_task", ("bf16-mixed",), steps=8, task_kwargs={"kind": "offset1000"})
+    assert here.run_for("bf16-mixed").loss.tolist() == flagged

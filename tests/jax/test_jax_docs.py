@@ -15,8 +15,12 @@ pytest.importorskip("optax")
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _blocks(path: Path, fence: str) -> list[str]:
-    return re.findall(rf"```{fence}\n(.*?)```", path.read_text(encoding="utf-8"), flags=re.S)
+def _blocks(path: Path, fence: str, marked: bool = False) -> list[str]:
+    """The ``fence`` blocks of ``path``; those after a ``<!-- docs-test: two-devices -->`` line (run by
+    test_jax_goal.py on two host devices, in the slow job) only when ``marked``."""
+    text = path.read_text(encoding="utf-8")
+    found = re.findall(rf"(<!-- docs-test: two-devices -->\n)?```{fence}\n(.*?)```", text, flags=re.S)
+    return [block for mark, block in found if bool(mark) == marked]
 
 
 def test_docs_jax_md_python_blocks_run(tmp_path, monkeypatch):

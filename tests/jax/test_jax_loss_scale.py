@@ -229,3 +229,13 @@ def test_same_scales_as_the_torch_sides_grad_scaler_on_random_overflows(hysteres
         opt.zero_grad(set_to_none=True)
         ls = ls.adjust(jnp.bool_(not overflow))
         assert float(ls.loss_scale) == torch_side.get_scale(), f"step {step}"
+
+
+def test_a_batch_of_scales_with_a_ceiling_is_checked_per_element():
+    import jax
+
+    scales = mpj.DynamicLossScale(jnp.full((3,), 8.0), counter=jnp.zeros((3,), jnp.int32), max_loss_scale=2.0**10)
+    out = jax.vmap(lambda s, f: s.adjust(f))(scales, jnp.array([True, False, True]))
+    assert out.loss_scale.tolist() == [8.0, 4.0, 8.0]
+    with pytest.raises(ValueError, match=r"loss_scale \(\[8.0, 4096.0\]\) is above max_loss_scale"):
+        mpj.DynamicLossScale(jnp.array([8.0, 4096.0]), max_loss_scale=2.0**10)

@@ -66,3 +66,12 @@ def test_the_docs_pattern_all_reduces_the_16_bit_scaled_gradient(observed):
 def test_cast_to_compute_varying_reduces_in_fp32(observed):
     o = observed["reduce_fp32"]
     assert o["all_reduce"] == ["f32"] and o["finite"] and o["grad"] == 80000.0
+
+
+def test_audit_reads_the_compiled_all_reduce(observed):
+    """The all-reduce jit inserts over sharded inputs exists only in the compiled HLO: audit finds it there."""
+    o = observed["audit_jit"]
+    assert o["kinds"] == ["16-bit-collective"] and [c[:2] for c in o["collectives"]] == [["f16", "all-reduce"]]
+    assert "multidevice_run.py" in o["where"][0]
+    clean = observed["audit_fp32_reduce"]
+    assert clean["kinds"] == [] and [c[:2] for c in clean["collectives"]] == [["f32", "all-reduce"]]

@@ -64,3 +64,20 @@ def test_bf16_gradients_are_widened_exactly():
 def test_a_tree_without_floats_is_an_error():
     with pytest.raises(ValueError, match="no floating-point leaves"):
         mpj.probe_grad_underflow({"step": jnp.int32(1)})
+
+
+def test_nnx_gradients_are_named_by_their_parameters_and_grouped_by_module():
+    nnx = pytest.importorskip("flax.nnx")
+    import jax
+    import jax.numpy as jnp
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.dense = nnx.Linear(2, 3, rngs=rngs)
+
+    model = Model(nnx.Rngs(0))
+    grads = nnx.grad(lambda m: m.dense(jnp.ones((1, 2))).sum())(model)
+    report = mpj.probe_grad_underflow(grads)
+    assert sorted(s.name for s in report.params) == ["dense.bias", "dense.kernel"]
+    assert [m.name for m in report.by_module()] == ["dense"]
+    assert jax.tree_util.tree_leaves(grads)  # (the State really holds the gradients)

@@ -113,6 +113,10 @@ class ComparisonResult:
         load that drifts between them moves it; ``mixprec bench`` interleaves its variants."""
         return 1.0 / self.step_time_ratio(recipe)
 
+    def machine(self) -> dict[str, Any]:
+        """Where the runs ran (``mixprec.instruments.machine.environment``; the JAX result describes jax's)."""
+        return environment(self.device)
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "mixprec_compare": 1,
@@ -130,7 +134,7 @@ class ComparisonResult:
                 r.recipe: _round(self.step_time_ratio(r.recipe)) for r in self.runs if r.role != "noise"
             },
             "speedup_vs_fp32": {r.recipe: _round(self.speedup(r.recipe)) for r in self.runs if r.role != "noise"},
-            "machine": environment(self.device),
+            "machine": self.machine(),
             "band": None if self.band is None else {
                 "center": self.band.center.tolist(),
                 "width": self.band.width.tolist(),

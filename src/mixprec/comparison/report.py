@@ -122,9 +122,13 @@ def print_summary(result: Any, console: Any = None) -> None:
         mark = "[green]ok[/green]" if row["ok"] else "[bold red]FAIL[/bold red]"
         console.print(f"  {mark} [bold]{row['recipe']}[/bold] {row['verdict']}: {row['message']}", highlight=False)
     console.print(f"[dim]rule: {result.rule.summary(result.steps)}[/dim]", highlight=False)
-    console.print(f"[dim]{SPEEDUP_NOTE}; machine: {describe(environment(result.device))}[/dim]", highlight=False)
+    console.print(f"[dim]{SPEEDUP_NOTE}; machine: {describe(result.machine())}[/dim]", highlight=False)
     if result.files:
         console.print(f"report: {result.files['html']}  (data: {result.files['json']}, {result.files['csv']})")
+
+
+def _threads(data: dict[str, Any]) -> str:
+    return "XLA sizes its own CPU threads" if data.get("backend") == "jax" else f"torch threads {data['threads']}"
 
 
 def write_report(result: Any, out: str | Path) -> dict[str, str]:
@@ -170,7 +174,7 @@ def _write_html(result: Any, png: bytes, path: str) -> None:
     rows = summary_rows(result)
     page.table(_HEADERS + ["why"], [_cells(r) + [r["message"]] for r in rows],
                classes=[None if r["verdict"] == "reference" else "ok" if r["ok"] else "bad" for r in rows])
-    page.paragraph(f"{SPEEDUP_NOTE}. Machine: {describe(environment(result.device))}.")
+    page.paragraph(f"{SPEEDUP_NOTE}. Machine: {describe(result.machine())}.")
     page.image(png, caption=(
         "Top: smoothed loss of each recipe over the shaded fp32 noise band (raw losses faint). "
         "Bottom: the loss scale of recipes with a scaler, triangles at skipped steps."
@@ -192,11 +196,13 @@ def _write_html(result: Any, png: bytes, path: str) -> None:
     data = result.to_dict()
     page.pre(
         f"task        {result.task}: {result.description}\n"
-        f"device      {result.device} (torch threads {data['threads']})\n"
+        f"device      {result.device} ({_threads(data)})\n"
         f"steps       {result.steps} per run; fp32 seeds 0 (reference) and "
         f"{', '.join(str(r.seed) for r in result.noise)} (noise); every recipe from seed 0\n"
         f"seeds vary  the initial weights only: every run sees the same batches\n"
-        f"versions    mixprec {data['mixprec']}, torch {data['torch']}, python {data['python']}\n"
+        f"versions    mixprec {data['mixprec']}, torch {data['torch']}, python {data['python']}"
+        + (f", jax {data['jax']}, jaxlib {data['jaxlib']}, optax {data['optax']}" if data.get("backend") == "jax" else "")
+        + "\n"
         f"wall time   {result.wall_s:.1f} s\n"
         f"data        {FILES['json']} (all curves), {FILES['csv']} (one row per run and step)"
     )

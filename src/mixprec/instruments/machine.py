@@ -70,6 +70,8 @@ def describe(env: dict[str, Any]) -> str:
     """One line: ``Intel(R) Xeon(R) ... (avx2 avx512f amx_bf16; torch kernels AVX512), 2 threads, torch 2.13.0, 2026-12-01``."""
     feats = " ".join(env.get("cpu_features") or []) or "no AVX2"
     where = env.get("device_name", env.get("cpu", "?"))
+    if "jax" in env:  # a JAX run: XLA's kernels and threads, no torch
+        return f"{where} ({feats}; XLA {env.get('backend', '?')}), jax {env['jax']}, {str(env.get('date', ''))[:10]}"
     if str(env.get("device", "cpu")).startswith("cuda"):
         where += f" (CUDA {env.get('cuda')}; host CPU {env.get('cpu', '?')})"
     else:

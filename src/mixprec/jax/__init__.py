@@ -59,6 +59,8 @@ _LAZY: dict[str, str] = {
     "JaxTask": "mixprec.jax.tasks",
     "compare": "mixprec.jax.comparison",
     "cast_to_compute_varying": "mixprec.jax.parallel",
+    "audit": "mixprec.jax.auditing",
+    "AuditReport": "mixprec.jax.auditing",
 }
 
 __all__ = (

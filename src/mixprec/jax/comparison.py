@@ -54,6 +54,27 @@ class JaxComparisonResult(ComparisonResult):
 
     fp8_layers: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
 
+    def machine(self) -> dict[str, Any]:
+        """The host and jax's devices (no torch details: torch did not run)."""
+        import datetime
+        import platform
+        import sys
+
+        from mixprec.instruments.machine import cpu_features, cpu_name
+
+        import jaxlib
+
+        dev = jax.devices()[0]
+        kind = getattr(dev, "device_kind", dev.platform)
+        return {
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "python": platform.python_version(), "platform": platform.platform(), "device": self.device,
+            "cpu": cpu_name(), "cpu_features": cpu_features(),
+            "device_name": cpu_name() if dev.platform == "cpu" else kind, "backend": jax.default_backend(),
+            "device_count": jax.device_count(), "jax": jax.__version__, "jaxlib": jaxlib.__version__,
+            "command": " ".join(sys.argv),
+        }
+
     def to_dict(self) -> dict[str, Any]:
         import jaxlib
 

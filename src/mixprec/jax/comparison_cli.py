@@ -34,9 +34,16 @@ def run(args: argparse.Namespace) -> int:
         task_kwargs = parse_task_args(args.task_arg)
     except ValueError as e:
         return error(str(e))
+    if getattr(args, "nproc", 1) != 1:
+        return error(f"--nproc {args.nproc} launches torch processes (torchrun); --backend jax runs in one process. "
+                     "For data parallelism in JAX, shard the task's step over jax.devices() (docs/jax.md, "
+                     "'Several devices'), or drop --nproc")
     if args.threads is not None:
         err.print("note: --threads applies to torch; XLA sizes its own CPU thread pool", highlight=False)
-    supported = [n for n in recipe_names() if n != "auto"]
+    from mixprec.jax.recipes import get_recipe
+
+    # 'all': every recipe that computes something of its own here (a -true recipe is its -mixed twin in JAX)
+    supported = [n for n in recipe_names() if n != "auto" and get_recipe(n).same_as is None]
     items = None if args.recipes is None else [
         ",".join(supported) if item.strip().lower() == "all" else item for item in args.recipes
     ]
@@ -44,6 +51,14 @@ def run(args: argparse.Namespace) -> int:
     if recipes == ():
         return error("--recipes names no recipe; give names (e.g. fp32 bf16-mixed), jmp policy strings, or 'all'")
     recipes = recipes or DEFAULT_RECIPES
+    for name in recipes:
+        try:
+            twin = get_recipe(name).same_as
+        except (ValueError, TypeError):
+            continue  # compare says what is wrong with it
+        if twin is not None:
+            err.print(f"note: {name} computes exactly like {twin} in mixprec.jax (the optimizer's fp32 pytree is the "
+                      "master; the step casts it): expect the same curve", highlight=False)
     progress = None if args.quiet else RichProgress(err)
     try:
         with progress if progress is not None else contextlib.nullcontext():

@@ -54,18 +54,26 @@ class _Static:
     """A concrete value held in a pytree's aux data: compared and hashed by value, so jit caches hit
     and two treedefs with the same configuration are equal."""
 
-    __slots__ = ("value", "_key")
+    __slots__ = ("value", "_key", "_hash")
 
     def __init__(self, value: Any) -> None:
         a = np.asarray(value)
         self.value = value
         self._key = (a.dtype.str, a.shape, a.tobytes())
+        self._hash = hash(self._key)  # jit hashes the treedef at every call
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Static) and self._key == other._key
+        return isinstance(other, _Static) and (self is other or self._key == other._key)
 
     def __hash__(self) -> int:
-        return hash(self._key)
+        return self._hash
+
+    def __getstate__(self) -> tuple[Any, Any]:
+        return self.value, self._key
+
+    def __setstate__(self, state: tuple[Any, Any]) -> None:
+        self.value, self._key = state
+        self._hash = hash(self._key)
 
     def __repr__(self) -> str:
         return repr(np.asarray(self.value).tolist())
@@ -90,9 +98,22 @@ def _new(cls: type, **fields: Any) -> Any:
     """Build a frozen dataclass without ``__post_init__``: jax unflattens with placeholder leaves
     (``object()``, ``None``, tracers) that must not be validated."""
     obj = object.__new__(cls)
-    for name, value in fields.items():
-        object.__setattr__(obj, name, value)
+    obj.__dict__.update(fields)  # a frozen dataclass's fields live in its __dict__ (no per-field setattr)
     return obj
+
+
+_HYSTERESIS_LEFT: dict[int, np.ndarray] = {}
+_TEMPLATES: dict[Any, dict[str, Any]] = {}
+
+
+def _full_hysteresis(h: int) -> np.ndarray:
+    """``np.full([], h, np.int32)``, one shared (never mutated) array per value: unflattening, which jit
+    does at every call, should not allocate."""
+    a = _HYSTERESIS_LEFT.get(h)
+    if a is None:
+        a = _HYSTERESIS_LEFT[h] = np.full([], h, np.int32)
+        a.setflags(write=False)
+    return a
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,6 +145,19 @@ class StaticLossScale:
 
     loss_scale: Any
 
+    def __post_init__(self) -> None:
+        value = self.loss_scale
+        if _is_tracer(value) or type(value) is object:
+            return
+        ok = isinstance(value, (int, float, np.number, np.ndarray, jax.Array)) and not isinstance(value, (bool, np.bool_))
+        if ok:
+            ok = np.issubdtype(np.asarray(value).dtype, np.floating) or np.issubdtype(np.asarray(value).dtype, np.integer)
+        if not ok:
+            raise TypeError(
+                f"StaticLossScale: loss_scale must be a number or a float array (e.g. 2.0**15), got "
+                f"{type(value).__name__} {value!r}"
+            )
+
     def scale(self, tree: T) -> T:
         return jax.tree_util.tree_map(lambda x: x * self.loss_scale, tree)
 
@@ -137,11 +171,15 @@ class StaticLossScale:
 
 
 def _static_flatten(s: StaticLossScale) -> tuple[tuple[()], _Static]:
-    return (), _static(s.loss_scale, "StaticLossScale", "loss_scale")
+    aux = s.__dict__.get("_aux")
+    if aux is None:  # cached: jit flattens its arguments at every call
+        aux = _static(s.loss_scale, "StaticLossScale", "loss_scale")
+        s.__dict__["_aux"] = aux
+    return (), aux
 
 
 def _static_unflatten(aux: _Static, leaves: Any) -> StaticLossScale:
-    return _new(StaticLossScale, loss_scale=aux.value)
+    return _new(StaticLossScale, loss_scale=aux.value, _aux=aux)
 
 
 def _bool_scalar(pred: Any, what: str) -> jax.Array:
@@ -214,15 +252,18 @@ class DynamicLossScale:
                 f"DynamicLossScale: factor must be > 1, got {self.factor!r} (a factor of 1 never changes the scale: "
                 "use StaticLossScale)"
             )
-        lo = float(np.asarray(self.min_loss_scale))
+        lo = np.asarray(self.min_loss_scale, np.float64)
         if self.max_loss_scale is not None:
-            hi = float(np.asarray(self.max_loss_scale))
-            if not hi >= lo:
-                raise ValueError(f"DynamicLossScale: max_loss_scale ({hi:g}) is below min_loss_scale ({lo:g})")
-            if not _is_tracer(self.loss_scale) and float(np.asarray(self.loss_scale)) > hi:
-                raise ValueError(
-                    f"DynamicLossScale: loss_scale ({float(np.asarray(self.loss_scale)):g}) is above max_loss_scale ({hi:g})"
-                )
+            hi = np.asarray(self.max_loss_scale, np.float64)
+            if not (hi >= lo).all():
+                raise ValueError(f"DynamicLossScale: max_loss_scale ({hi.tolist()}) is below min_loss_scale ({lo.tolist()})")
+            # a batch of scales (one per vmapped replica, say) is checked element by element
+            if type(self.loss_scale) is not object and not _is_tracer(self.loss_scale):
+                scale = np.asarray(self.loss_scale, np.float64)
+                if (scale > hi).any():
+                    raise ValueError(
+                        f"DynamicLossScale: loss_scale ({scale.tolist()}) is above max_loss_scale ({hi.tolist()})"
+                    )
 
     def scale(self, tree: T) -> T:
         return jax.tree_util.tree_map(lambda x: x * self.loss_scale, tree)
@@ -240,7 +281,10 @@ class DynamicLossScale:
         data = (self.loss_scale, self.counter)
         if self.hysteresis > 1:
             data += (self.hysteresis_left,)
-        return data, self._meta()
+        meta = self.__dict__.get("_aux")
+        if meta is None:  # cached: jit flattens its arguments at every call, and the meta is configuration
+            meta = self.__dict__["_aux"] = self._meta()
+        return data, meta
 
     def tree_flatten_with_keys(self) -> tuple[tuple[tuple[Any, Any], ...], _Meta]:
         data, meta = self.tree_flatten()
@@ -249,14 +293,21 @@ class DynamicLossScale:
 
     @classmethod
     def tree_unflatten(cls, meta: _Meta, data: _Data) -> DynamicLossScale:
-        period, factor, lo, hi, hysteresis, consecutive = meta
-        loss_scale, counter, *rest = data
-        return _new(
-            cls, loss_scale=loss_scale, counter=counter, period=period, factor=factor, min_loss_scale=lo.value,
-            max_loss_scale=None if hi is None else hi.value, hysteresis=hysteresis,
-            consecutive_hysteresis=consecutive,
-            hysteresis_left=rest[0] if rest else np.full([], hysteresis, np.int32),
-        )
+        template = _TEMPLATES.get(meta)
+        if template is None:  # the configuration fields, built once per configuration (jit unflattens every call)
+            period, factor, lo, hi, hysteresis, consecutive = meta
+            template = _TEMPLATES[meta] = {
+                "period": period, "factor": factor, "min_loss_scale": lo.value,
+                "max_loss_scale": None if hi is None else hi.value, "hysteresis": hysteresis,
+                "consecutive_hysteresis": consecutive, "hysteresis_left": _full_hysteresis(hysteresis), "_aux": meta,
+            }
+        obj = object.__new__(cls)
+        d = obj.__dict__
+        d.update(template)
+        d["loss_scale"], d["counter"] = data[0], data[1]
+        if len(data) > 2:
+            d["hysteresis_left"] = data[2]
+        return obj
 
     def adjust(self, grads_finite: Any) -> DynamicLossScale:
         """Returns the next state dependent on whether grads are finite."""
@@ -285,6 +336,8 @@ class DynamicLossScale:
         counter = ((self.counter + 1) % self.period) * grads_finite
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         fields.update(loss_scale=new_scale.astype(dtype), counter=counter, hysteresis_left=hysteresis_left)
+        if "_aux" in self.__dict__:
+            fields["_aux"] = self.__dict__["_aux"]  # the same configuration
         return _new(type(self), **fields)  # validated when built; jit must not re-check traced values
 
 

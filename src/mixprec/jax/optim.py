@@ -21,7 +21,7 @@ The step, in order (``update(scaled_grads, state, params)``):
 4. commit or skip with ``select_tree``: on a skipped step the inner state is returned unchanged and
    the updates are ``-0.0``, the one value whose addition leaves every float (``-0.0``
    included) bitwise unchanged, so ``optax.apply_updates`` keeps the parameters exactly;
-5. ``loss_scale.adjust(finite)``; ``skipped`` counts skipped steps, ``last_skipped`` flags this one.
+5. ``loss_scale.adjust(finite)``; ``state.skipped`` counts skipped steps, ``state.last_skipped`` flags this one.
 
 Both branches are computed and selected (no ``lax.cond``), so the step has one shape under ``jit``,
 ``vmap``, ``lax.scan`` and ``pmap``.
@@ -94,10 +94,13 @@ def _check_inner(inner: Any) -> None:
         )
 
 
-def _identity_update(u: Any) -> Any:
-    if jnp.issubdtype(jnp.result_type(u), jnp.floating):
-        return jnp.full_like(u, -0.0)  # p + (-0.0) == p bitwise, for p = -0.0 too (0.0 would turn it into +0.0)
-    return jnp.zeros_like(u)
+def _commit_or_identity(commit: jax.Array, u: Any) -> Any:
+    """``u`` where ``commit``, else the update that leaves a parameter bitwise unchanged: ``-0.0`` for floats
+    (``p + (-0.0) == p`` for every ``p``, ``-0.0`` included; ``0.0`` would turn ``-0.0`` into ``+0.0``), 0 for
+    integers. A scalar in ``where``: no per-leaf constant array to materialise."""
+    dtype = jnp.result_type(u)
+    zero = jnp.asarray(-0.0 if jnp.issubdtype(dtype, jnp.floating) else 0, dtype)
+    return jnp.where(commit, u, zero)
 
 
 def skip_nonfinite(
@@ -149,8 +152,7 @@ def skip_nonfinite(
         return SkipNonFiniteState(
             inner_state=inner.init(params),
             loss_scale=initial_scale,
-            skipped=jnp.zeros([], jnp.int32),
-            last_skipped=jnp.zeros([], jnp.bool_),
+            skips=jnp.zeros([2], jnp.int32),
             accumulation=accumulation,
         )
 
@@ -178,7 +180,7 @@ def skip_nonfinite(
                 finite=ended | finite,
             )
         new_updates, new_inner = inner.update(grads, state.inner_state, params, **extra_args)
-        commit = finite & ended
+        commit = finite if acc is None else finite & ended
         try:
             inner_state = select_tree(commit, new_inner, state.inner_state)
         except TypeError as e:
@@ -188,16 +190,15 @@ def skip_nonfinite(
                 "keep fp32 parameters in the optimizer (the master copy) and cast them to the compute dtype in the "
                 "forward with policy.cast_to_compute"
             ) from None
-        out = select_tree(commit, new_updates, jax.tree_util.tree_map(_identity_update, new_updates))
-        skipped = ~finite & ended
+        out = jax.tree_util.tree_map(lambda u: _commit_or_identity(commit, u), new_updates)
+        skipped = ~finite if acc is None else ~finite & ended
         loss_scale = state.loss_scale.adjust(finite)
         if acc is not None:  # adjusted once per window, at its end
             loss_scale = jax.tree_util.tree_map(lambda n, o: jnp.where(ended, n, o), loss_scale, state.loss_scale)
         return out, SkipNonFiniteState(
             inner_state=inner_state,
             loss_scale=loss_scale,
-            skipped=state.skipped + skipped.astype(jnp.int32),
-            last_skipped=jnp.asarray(skipped),
+            skips=state.skips * jnp.array([1, 0], jnp.int32) + skipped.astype(jnp.int32),  # [count + s, s]
             accumulation=acc,
         )
 

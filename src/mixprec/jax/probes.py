@@ -43,7 +43,13 @@ def _key_name(key: Any) -> str:
 
 
 def leaf_name(path: Sequence[Any]) -> str:
-    """A dotted name for a pytree path: ``{"dense": {"kernel": ...}}`` -> ``dense.kernel`` (``[0]`` -> ``0``)."""
+    """A dotted name for a pytree path: ``{"dense": {"kernel": ...}}`` -> ``dense.kernel`` (``[0]`` -> ``0``).
+
+    A Flax NNX state's leaves sit one level below their variable (``dense.kernel.value``): that ``.value``
+    is dropped, so the leaf is named by its parameter and grouped under its module (``dense``)."""
+    path = list(path)
+    if path and isinstance(path[-1], jax.tree_util.GetAttrKey) and path[-1].name == "value":
+        path = path[:-1]
     return ".".join(_key_name(k) for k in path) or "(root)"
 
 

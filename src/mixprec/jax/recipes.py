@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mixprec.jax.loss_scale import DynamicLossScale, LossScale, NoOpLossScale, StaticLossScale
-from mixprec.jax.policy import Policy, _FORMAT_TO_JAX, cast_to_full
+from mixprec.jax.policy import Policy, _FORMAT_TO_JAX, cast_to_full, dtype_name as dtype_label
 
 #: torch GradScaler's defaults, which the torch side's dynamic recipes use
 INIT_SCALE = 2.0**16
@@ -121,6 +121,15 @@ class JaxRecipe:
             raise ValueError(f"recipe.matmul multiplies x (..., K) by a kernel (K, N); got shapes {jnp.shape(x)} and "
                              f"{jnp.shape(w)} (use recipe.dot_general for other contractions)")
         return self.dot_general(x, w, (((jnp.ndim(x) - 1,), (0,)), ((), ())), name=name)
+
+    @property
+    def same_as(self) -> str | None:
+        """The recipe this one computes exactly like in JAX: a ``-true`` recipe (fp32 master, 16-bit model) is
+        its ``-mixed`` twin here, since the optimizer's fp32 pytree is the master and the cast happens in the
+        step (``"bf16-mixed"`` for ``bf16-true``); None for the others."""
+        if self.master != "fp32":
+            return None
+        return {"bf16": "bf16-mixed", "f16": "fp16-mixed"}.get(dtype_label(self.policy.compute_dtype))
 
     @property
     def is_mixed(self) -> bool:

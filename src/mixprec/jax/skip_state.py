@@ -32,17 +32,29 @@ class SkipNonFiniteState(NamedTuple):
     Attributes:
         inner_state: the wrapped transformation's state.
         loss_scale: the scale to multiply the next step's loss by (``loss_scale_of(state)``).
+        skips: int32 ``[2]``: optimizer steps skipped so far, and 1 when the last update skipped one.
+            Read them as ``skipped`` and ``last_skipped``; one array, not two, because every leaf of a
+            state costs a jitted step its own buffer at every call (~3 us on a CPU, measured).
+        accumulation: the open window with ``every_k > 1`` (``Accumulation``), else None.
+
+    Properties:
         skipped: int32, optimizer steps skipped so far.
         last_skipped: bool, whether the last update skipped an optimizer step (with ``every_k``: it ended
             a window that held a non-finite micro-batch).
-        accumulation: the open window with ``every_k > 1`` (``Accumulation``), else None.
     """
 
     inner_state: Any
     loss_scale: LossScale
-    skipped: jax.Array
-    last_skipped: jax.Array
+    skips: jax.Array
     accumulation: Any = None
+
+    @property
+    def skipped(self) -> jax.Array:
+        return self.skips[..., 0]
+
+    @property
+    def last_skipped(self) -> jax.Array:
+        return self.skips[..., 1].astype(jnp.bool_)
 
 
 def _path_names(path: Any) -> list[str]:

@@ -75,6 +75,16 @@ def load_jax_task(spec: str | JaxTask | Callable[..., JaxTask] | None = None, **
         return spec
     if spec is None:
         spec = BUILTIN
+    if isinstance(spec, str) and ":" not in spec:
+        from mixprec.tasks import BUILTINS
+
+        if spec.strip().lower() in BUILTINS:
+            raise TaskError(
+                f"task {spec!r} is a built-in torch task and has no JAX version; with --backend jax, leave --task out "
+                "for the built-in JAX char MLP, or name a factory returning a mixprec.jax.JaxTask ('package.module:function')"
+            )
+        raise TaskError(f"JAX task {spec!r} must name a factory as 'package.module:function' returning a "
+                        "mixprec.jax.JaxTask (or leave --task out for the built-in JAX char MLP)")
     task, label = call_factory(spec, kwargs, "a JAX task", "a JaxTask", explain_errors=False)
     if not isinstance(task, JaxTask):
         raise TaskError(
@@ -167,6 +177,12 @@ def make_task(
     Its three matmuls go through ``recipe.matmul``: under the fp8 recipes the middle one computes in
     fp8 (the first and the last stay bf16, the torch side's rule).
     """
+    for name, value in (("steps", steps), ("batch_size", batch_size), ("context", context), ("d_embed", d_embed),
+                        ("d_hidden", d_hidden), ("data_seed", data_seed)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "data_seed" else 1):
+            raise ValueError(f"JAX char MLP task: {name} must be a positive integer, got {value!r}")
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0:
+        raise ValueError(f"JAX char MLP task: lr must be a number > 0, got {lr!r}")
     from mixprec.tasks.charlm import VOCAB, corpus
 
     data = corpus().numpy().astype(np.int32)
