@@ -1,5 +1,5 @@
-"""The model families of ``hf_zoo`` as ``mixprec.tasks.Task`` factories, for ``doctor`` and
-``compare`` (``mixprec doctor --task models.hf_tasks:make_gpt2``): HF computes the loss inside its
+"""The model families of ``hf_zoo`` as ``mixprec.tasks.Task`` factories (``make(family)``,
+``make_gpt2``...), for ``doctor`` and ``compare`` in the tests: HF computes the loss inside its
 forward (``labels=``), so ``loss_fn`` reads ``out.loss``."""
 
 from __future__ import annotations
