@@ -104,8 +104,9 @@ def test_island_forward_wrapper_keeps_signature_survives_copies_and_is_removed()
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.LayerNorm(8))
     keep_fp32(net, ["1", "norms"])
-    assert "forward" in net[1].__dict__  # a Linear: autocast must be off inside
-    assert "forward" not in net[2].__dict__  # a built-in norm: the casts are enough
+    assert net[1].__dict__["forward"].autocast_off  # a Linear: autocast must be off inside
+    assert not net[2].__dict__["forward"].autocast_off  # a built-in norm: the casts are enough
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in net.modules())  # no hooks: the fast path
     assert list(inspect.signature(net[1].forward).parameters) == ["input"]
     x = torch.randn(4, 8)
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -119,7 +120,7 @@ def test_island_forward_wrapper_keeps_signature_survives_copies_and_is_removed()
         with torch.autocast("cpu", dtype=torch.bfloat16):
             assert torch.equal(other(x), want)
     assert remove_fp32_islands(net) == 2
-    assert "forward" not in net[1].__dict__
+    assert "forward" not in net[1].__dict__ and "forward" not in net[2].__dict__
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert net[1](x).dtype == torch.bfloat16  # autocast lowers it again
 

@@ -65,3 +65,41 @@ def test_policy_is_frozen_and_accepts_names():
     with pytest.raises(Exception):
         p.compute_dtype = F16  # type: ignore[misc]
     assert p.with_output_dtype("bf16").output_dtype == BF16
+
+
+def _prepared(module):
+    from mixprec.policy import PreparedForward
+
+    module.forward = PreparedForward(module, F32)
+    return module
+
+
+def test_the_prepared_output_cast_rebuilds_plain_containers_and_leaves_the_models_own_alone():
+    class Returns(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.held = {"h": torch.ones(2, dtype=BF16), "ids": torch.arange(2)}
+
+        def forward(self):
+            return self.held
+
+    m = _prepared(Returns())
+    out = m()
+    assert out is not m.held and out["h"].dtype == F32 and out["ids"].dtype == torch.int64
+    assert m.held["h"].dtype == BF16  # a dict the model keeps is not cast in place
+    assert _prepared(torch.nn.Identity())(torch.ones(2, dtype=BF16)).dtype == F32
+
+
+def test_a_model_output_is_cast_in_place_keeping_its_type_and_its_other_entries():
+    pytest.importorskip("transformers")
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    class LM(torch.nn.Module):
+        def forward(self):
+            h = (torch.ones(1, dtype=BF16), torch.ones(1, dtype=BF16))
+            return CausalLMOutputWithPast(loss=torch.tensor(1.0), logits=torch.ones(2, dtype=BF16), hidden_states=h)
+
+    out = _prepared(LM())()
+    assert type(out) is CausalLMOutputWithPast and out.logits.dtype == F32 and out["logits"].dtype == F32
+    assert [t.dtype for t in out.hidden_states] == [F32, F32] and out.past_key_values is None
+    assert out.loss.dtype == F32 and list(out.keys()) == ["loss", "logits", "hidden_states"]

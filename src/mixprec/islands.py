@@ -6,7 +6,7 @@ Three tools:
   inputs (cast them up with ``.float()``, or let ``Fp32Island`` do it for a module).
 - ``keep_fp32(model, rule)``: make chosen submodules islands: autocast off inside, floating inputs
   cast to fp32, floating outputs cast back to the 16-bit dtype the module received. Parameters and
-  state-dict keys are untouched (it is done with forward hooks).
+  state-dict keys are untouched (it is done in a wrapper set as the module's instance ``forward``).
 - ``Fp32LayerNorm`` / ``Fp32GroupNorm`` / ``Fp32RMSNorm``: norms whose statistics are computed in
   fp32 whatever the input and parameter dtypes are (also with 16-bit stored weights).
 
@@ -17,9 +17,10 @@ numerics the same on every device.
 Under ``torch.compile`` islands trace into one graph on torch 2.11 and 2.13 alike (both tested).
 Built-in norms only cast, since a norm computes in fp32 once its inputs are fp32; an island around
 a module that autocast would lower (a Linear head) also runs its forward inside
-``torch.autocast(..., enabled=False)``, through a wrapper set as the module's instance ``forward``
-(a context manager inside a function is what dynamo traces; a switch made in a pre-hook and undone
-in a post-hook is not, on every version).
+``torch.autocast(..., enabled=False)`` (a context manager inside a function is what dynamo traces;
+a switch made in a pre-hook and undone in a post-hook is not, on every version). One wrapper call
+per island call and no hooks: a module without hooks takes ``nn.Module.__call__``'s fast path,
+and the casts cost what a hand-written ``norm(x.float()).to(x.dtype)`` costs.
 
 >>> import torch
 >>> net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
@@ -75,36 +76,26 @@ def _first_tensor(obj: Any, floating: bool = False) -> torch.Tensor | None:
 class Fp32Island:
     """What makes a module an fp32 island. Installed by ``keep_fp32``.
 
-    A forward pre-hook casts floating inputs to fp32 and a forward hook casts floating outputs back
-    to the 16-bit dtype the module received (registered with ``always_call=True``). For a module
-    that is not a built-in norm, autocast must also be off while it runs: its instance ``forward``
-    is replaced by an ``_AutocastOffForward`` wrapper (removed again by ``detach``).
+    The module's instance ``forward`` becomes an ``_IslandForward``: it casts floating inputs to
+    fp32, runs the module's own forward (for a module that is not a built-in norm, with autocast
+    off), and casts floating outputs back to the 16-bit dtype the module received. ``detach``
+    puts the module's forward back.
     """
 
     def __init__(self, device_type: str | None = None) -> None:
         self.device_type = device_type
-        # per active call: the dtype to hand back (None: leave the output alone)
-        self._stack: list[torch.dtype | None] = []
-        self.handles: list[torch.utils.hooks.RemovableHandle] = []
-        self._wrapper: _AutocastOffForward | None = None
+        self._wrapper: _IslandForward | None = None
 
     def attach(self, module: nn.Module) -> "Fp32Island":
-        self.handles = [
-            module.register_forward_pre_hook(self._pre, with_kwargs=True),
-            module.register_forward_hook(self._post, always_call=True),
-        ]
         # A norm whose forward has no op autocast lowers computes in fp32 once its inputs are fp32:
         # the casts are enough, and leave autocast alone.
-        if type(module) not in _AUTOCAST_NEUTRAL:
-            self._wrapper = _AutocastOffForward(self, module, module.__dict__.get("forward"))
-            module.forward = self._wrapper  # type: ignore[method-assign]
+        self._wrapper = _IslandForward(self, module, module.__dict__.get("forward"),
+                                       autocast_off=type(module) not in _AUTOCAST_NEUTRAL)
+        module.forward = self._wrapper  # type: ignore[method-assign]
         module._mixprec_island = self  # type: ignore[attr-defined]
         return self
 
     def detach(self, module: nn.Module) -> None:
-        for h in self.handles:
-            h.remove()
-        self.handles = []
         wrapper, self._wrapper = self._wrapper, None
         if wrapper is not None and module.__dict__.get("forward") is wrapper:
             if wrapper.inner is None:
@@ -120,35 +111,20 @@ class Fp32Island:
         first = _first_tensor((args, kwargs))
         return first.device.type if first is not None else None
 
-    def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        device_type = self.device_of(args, kwargs)
-        first_float = _first_tensor((args, kwargs), floating=True)
-        in_dtype = first_float.dtype if first_float is not None else None
-        active = bool(device_type) and torch.is_autocast_enabled(device_type)
-        # Output goes back to what autocast would have handed the next op: the autocast dtype
-        # when the input was 16-bit, else whatever came in.
-        self._stack.append(in_dtype if in_dtype in (torch.float16, torch.bfloat16) else None)
-        if in_dtype in (torch.float16, torch.bfloat16) or active:
-            args = cast_floating(args, torch.float32)
-            kwargs = cast_floating(kwargs, torch.float32)
-        return args, kwargs
 
-    def _post(self, module: nn.Module, args: tuple, output: Any) -> Any:
-        back = self._stack.pop()
-        if back is not None and output is not None:
-            return cast_floating(output, back)
-        return output
+_SIXTEEN = (torch.float16, torch.bfloat16)
 
 
-class _AutocastOffForward:
-    """An island module's instance ``forward``: the module's own forward with autocast off.
+class _IslandForward:
+    """An island module's instance ``forward`` (see ``Fp32Island``).
 
     ``inner`` is an instance ``forward`` the module already had (else the class's is called).
     ``__wrapped__`` lets ``inspect.signature(module.forward)`` see the real parameters.
     """
 
-    def __init__(self, island: Fp32Island, module: nn.Module, inner: Callable[..., Any] | None) -> None:
-        self.island, self.module, self.inner = island, module, inner
+    def __init__(self, island: Fp32Island, module: nn.Module, inner: Callable[..., Any] | None,
+                 autocast_off: bool = True) -> None:
+        self.island, self.module, self.inner, self.autocast_off = island, module, inner, autocast_off
 
     @property
     def __wrapped__(self) -> Callable[..., Any]:
@@ -157,11 +133,28 @@ class _AutocastOffForward:
         return self.inner if self.inner is not None else type(self.module).forward.__get__(self.module)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        device_type = self.island.device_of(args, kwargs)
-        if device_type and torch.is_autocast_enabled(device_type):
-            with torch.autocast(device_type, enabled=False):
-                return self._run(args, kwargs)
-        return self._run(args, kwargs)
+        # the common call, norm(x): one floating tensor and nothing else, without the tree walks
+        simple = len(args) == 1 and not kwargs and isinstance(args[0], torch.Tensor) and args[0].is_floating_point()
+        first = args[0] if simple else _first_tensor((args, kwargs), floating=True)
+        device_type = self.island.device_type or (
+            first.device.type if first is not None else self.island.device_of(args, kwargs))
+        active = bool(device_type) and torch.is_autocast_enabled(device_type)
+        # The output goes back to what autocast would have handed the next op: the 16-bit dtype
+        # the input came in, else whatever the module returns.
+        back = first.dtype if first is not None and first.dtype in _SIXTEEN else None
+        if back is not None or active:
+            if simple:
+                args = (first.to(torch.float32),)  # type: ignore[union-attr]
+            else:
+                args, kwargs = cast_floating(args, torch.float32), cast_floating(kwargs, torch.float32)
+        if active and self.autocast_off:
+            with torch.autocast(device_type, enabled=False):  # type: ignore[arg-type]
+                out = self._run(args, kwargs)
+        else:
+            out = self._run(args, kwargs)
+        if back is None or out is None:
+            return out
+        return out.to(back) if isinstance(out, torch.Tensor) and out.is_floating_point() else cast_floating(out, back)
 
     def _run(self, args: tuple, kwargs: dict) -> Any:
         if self.inner is not None:

@@ -17,7 +17,7 @@ torch.bfloat16
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 import torch
@@ -135,24 +135,63 @@ def cast_floating_buffers(model: nn.Module, dtype: torch.dtype) -> None:
                 setattr(module, name, buf.to(dtype))
 
 
-class OutputCast:
-    """Forward hook casting a model's floating outputs to the policy's output dtype."""
+def _cast_output(out: Any, dtype: torch.dtype) -> Any:
+    """``cast_floating(out, dtype)`` for a model's output, without rebuilding what need not be: a
+    tensor is cast directly, and a Hugging Face ``ModelOutput`` (a dataclass that is a mutable
+    mapping, made fresh by every forward) has its changed entries replaced in place (rebuilding one
+    costs ~100 us on a CPU, more than the cast of a small model's logits)."""
+    if isinstance(out, torch.Tensor):
+        return out.to(dtype) if out.is_floating_point() else out
+    if dataclasses.is_dataclass(out) and isinstance(out, MutableMapping):
+        for key, value in list(out.items()):
+            if isinstance(value, torch.Tensor):
+                if value.is_floating_point() and value.dtype != dtype:
+                    out[key] = value.to(dtype)
+            elif value is not None:
+                out[key] = cast_floating(value, dtype)
+        return out
+    return cast_floating(out, dtype)
 
-    def __init__(self, dtype: torch.dtype) -> None:
-        self.dtype = dtype
 
-    def __call__(self, module: nn.Module, args: Any, output: Any) -> Any:
-        return cast_floating(output, self.dtype)
+class PreparedForward:
+    """A prepared model's instance ``forward``: everything ``prepare`` adds to a call of the model,
+    in one function (no hooks, so ``nn.Module.__call__`` keeps its fast path):
 
+    - ``input_dtype``: floating inputs cast to it first (``Recipe.pure``);
+    - ``autocast``: ``(device_type, dtype)`` of a 16-bit storage recipe: outside any autocast region
+      (an evaluation loop, ``generate()``) the forward runs under it, as ``AutocastForward`` does;
+    - floating outputs cast to ``output_dtype`` (the policy's output: the loss sees fp32).
 
-class InputCast:
-    """Forward pre-hook casting a model's floating inputs to the compute dtype (``Recipe.pure``)."""
+    ``watchers``: callables given the forward's own output before the output cast (``doctor`` reads
+    the dtype a model computed its loss in)."""
 
-    def __init__(self, dtype: torch.dtype) -> None:
-        self.dtype = dtype
+    def __init__(self, module: nn.Module, output_dtype: torch.dtype, *, input_dtype: torch.dtype | None = None,
+                 autocast: tuple[str, torch.dtype] | None = None) -> None:
+        self.inner = module.__dict__.get("forward")  # an instance forward someone set before us
+        self.module, self.output_dtype, self.input_dtype, self.autocast = module, output_dtype, input_dtype, autocast
+        self.watchers: list[Any] = []
 
-    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        return cast_floating(args, self.dtype), cast_floating(kwargs, self.dtype)
+    @property
+    def __wrapped__(self) -> Any:  # inspect.signature(model.forward) sees the model's own
+        return self.inner if self.inner is not None else type(self.module).forward.__get__(self.module)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.input_dtype is not None:
+            args, kwargs = cast_floating(args, self.input_dtype), cast_floating(kwargs, self.input_dtype)
+        if self.autocast is not None and not torch.is_autocast_enabled(self.autocast[0]):
+            with torch.autocast(self.autocast[0], dtype=self.autocast[1]):
+                out = self._run(args, kwargs)
+        else:
+            out = self._run(args, kwargs)
+        for watch in self.watchers:
+            watch(out)
+        return _cast_output(out, self.output_dtype)
+
+    def _run(self, args: tuple, kwargs: dict) -> Any:
+        # the class's forward called with the module (see AutocastForward._run for why)
+        if self.inner is not None:
+            return self.inner(*args, **kwargs)
+        return type(self.module).forward(self.module, *args, **kwargs)
 
 
 class AutocastForward:
@@ -186,17 +225,27 @@ class AutocastForward:
         return type(self.module).forward(self.module, *args, **kwargs)
 
 
-def autocast_outside(model: nn.Module, device_type: str, dtype: torch.dtype) -> list[str]:
-    """Give ``model`` and each of its submodules that holds a 16-bit floating parameter (in it or
-    below it) an ``AutocastForward``: whichever of them is called first outside autocast (the
-    model, ``model.get_encoder()``, ``model.model``, a backbone, a head) enters it. Modules
-    without such a parameter, and containers without a forward (``ModuleList``), are left alone.
-    Returns the qualified names of the modules wrapped ("" is the model)."""
+def autocast_outside(model: nn.Module, device_type: str, dtype: torch.dtype, *, root: bool = True) -> list[str]:
+    """Give ``model`` (unless ``root`` is False: its ``PreparedForward`` does it) and each of its
+    submodules that holds a 16-bit floating parameter (in it or below it) an ``AutocastForward``:
+    whichever of them is called first outside autocast (the model, ``model.get_encoder()``,
+    ``model.model``, a backbone, a head) enters it. Modules without such a parameter, and
+    containers without a forward (``ModuleList``), are left alone. Returns the qualified names of
+    the modules wrapped ("" is the model)."""
     wrapped = []
     for name, module in model.named_modules():
         if type(module).forward is nn.Module.forward or isinstance(module.__dict__.get("forward"), AutocastForward):
+            continue
+        if not root and module is model:
             continue
         if any(p.is_floating_point() and p.dtype in (torch.float16, torch.bfloat16) for p in module.parameters()):
             module.forward = AutocastForward(module, device_type, dtype)  # type: ignore[method-assign]
             wrapped.append(name)
     return wrapped
+
+
+def prepared_forward_options(mp: Any) -> dict[str, Any]:
+    """``PreparedForward``'s options for a ``MixedPrecision`` (read by attribute): a pure recipe casts
+    the inputs, a 16-bit storage recipe (one with masters) enters autocast outside one."""
+    return {"input_dtype": mp.policy.compute_dtype if mp.recipe.pure else None,
+            "autocast": (mp.device.type, mp.policy.compute_dtype) if mp.masters is not None else None}

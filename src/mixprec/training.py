@@ -29,7 +29,7 @@ from torch import nn
 from mixprec.formats import short_name
 from mixprec.islands import FAMILIES, Rule, as_rules, family_matches, keep_fp32
 from mixprec.masters import MasterWeights, export, make_masters
-from mixprec.policy import InputCast, OutputCast, autocast_outside, cast_floating_buffers
+from mixprec.policy import PreparedForward, autocast_outside, cast_floating_buffers, prepared_forward_options
 from mixprec.recipes import Recipe, as_device, as_requested, resolve_recipe
 from mixprec.scaling import GradScaler
 from mixprec.scaling.choose import scaler_for
@@ -164,9 +164,7 @@ class MixedPrecision:
         islands: list[str] = []
         if self.recipe.autocast:
             islands = keep_fp32(model, [*self.recipe.fp32_modules, *self.fp32_modules], self.device.type)
-            model.register_forward_hook(OutputCast(self.policy.output_dtype))
             if self.recipe.pure:
-                model.register_forward_pre_hook(InputCast(self.policy.compute_dtype), with_kwargs=True)
                 cast_floating_buffers(model, self.policy.param_dtype)
         elif self.fp32_modules:
             islands = keep_fp32(model, self.fp32_modules, self.device.type)
@@ -178,7 +176,9 @@ class MixedPrecision:
             self.masters.fp32_params += tuple(islands)  # an island computes in fp32: its parameters stay fp32
             self.masters.attach(model)
             if self.recipe.autocast:  # 16-bit weights: eval loops, generate(), a submodule run outside mp.autocast() too
-                autocast_outside(model, self.device.type, self.policy.compute_dtype)
+                autocast_outside(model, self.device.type, self.policy.compute_dtype, root=False)
+        if self.recipe.autocast:  # the output cast (and a pure recipe's input cast, a storage recipe's autocast)
+            model.forward = PreparedForward(model, self.policy.output_dtype, **prepared_forward_options(self))  # type: ignore[method-assign]
         model._mixprec_recipe = self.recipe.name  # type: ignore[attr-defined]
         self._model_ref = weakref.ref(model)  # reset() clears its gradients
         self._held.add(model)

@@ -19,7 +19,9 @@ def test_block_runs(index):
     exec(compile(BLOCKS[index], f"docs/bench.md block {index}", "exec"), {"__name__": "__bench_doc__"})
 
 
-def test_the_attention_core_runs_in_fp32_inside_bf16_autocast():
+def test_the_attention_core_runs_in_fp32_inside_bf16_autocast(monkeypatch):
+    import torch.nn.functional as F
+
     from mixprec.islands import island_names
 
     scope: dict = {"__name__": "__bench_doc__"}
@@ -27,11 +29,18 @@ def test_the_attention_core_runs_in_fp32_inside_bf16_autocast():
     model, mp = scope["model"], scope["mp"]
     assert "core" in island_names(model)
     seen = {}
-    hooks = [model.core.register_forward_hook(lambda m, args, out: seen.update(q=args[0].dtype, core=out.dtype)),
+    real = F.scaled_dot_product_attention
+
+    def sdpa(q, k, v, **kw):  # what the product itself is given (the island casts inside its forward)
+        seen.update(q=q.dtype, autocast=torch.is_autocast_enabled("cpu"))
+        return real(q, k, v, **kw)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", sdpa)
+    hooks = [model.core.register_forward_hook(lambda m, args, out: seen.update(core=out.dtype)),
              model.proj.register_forward_hook(lambda m, args, out: seen.update(proj=out.dtype))]
     with mp.autocast():
         model(torch.randn(2, 16, 64))
     for h in hooks:
         h.remove()
-    # inside the island: fp32 in; what leaves it is bf16 again, and the projection after it runs in bf16
-    assert seen == {"q": torch.float32, "core": torch.bfloat16, "proj": torch.bfloat16}
+    # inside the island: fp32 in, autocast off; what leaves it is bf16 again, and the projection after it runs in bf16
+    assert seen == {"q": torch.float32, "autocast": False, "core": torch.bfloat16, "proj": torch.bfloat16}

@@ -287,3 +287,22 @@ def test_once_the_producer_is_found_later_checks_do_not_contradict_it():
     assert domain.status == "ok" and "nan-constant" in domain.summary
     for f in report.findings:
         assert "log" not in f.fix and f.cause not in ("log-of-zero", "division-by-zero"), (f.check, f.summary, f.fix)
+
+
+def test_a_loss_computed_in_16_bits_by_the_model_itself_is_seen_before_the_output_cast():
+    # the output cast is part of the prepared model's own forward (no hook): doctor reads the model's
+    # output before it (PreparedForward.watchers), so a 16-bit loss made at the top level is not hidden
+    from torch import nn
+
+    class MeanLoss(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(32, 16)
+
+        def forward(self, x):
+            return self.lin(x).pow(2).mean()  # under fp16 autocast: a 16-bit scalar
+
+    task = _regression("own-loss", MeanLoss)
+    task.loss_fn = lambda out, _y: out
+    f = doctor(task, "fp16-mixed", "cpu", steps=1).get("loss-fp32")
+    assert f.status == "alarm" and f.module == "" and "f16" in f.summary

@@ -13,6 +13,8 @@ training forward (``labels=`` included: HF computes the loss inside its forward)
 
 from __future__ import annotations
 
+import json
+import os
 import warnings
 
 import pytest
@@ -84,3 +86,29 @@ def batch(family: str, seed: int = 0) -> dict[str, torch.Tensor]:
 
 def loss_of(out) -> torch.Tensor:
     return out.loss
+
+
+def reload(family: str, folder):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return model_class(family).from_pretrained(folder)
+
+
+def check_reloads_exactly(mp, model, family, folder):
+    """``mp.save_pretrained`` into ``folder``, then a plain ``from_pretrained``: every tensor fp32 and
+    bit for bit the export (the masters' values, not the 16-bit storage); returns the reloaded model."""
+    export = mp.fp32_state_dict(model)
+    mp.save_pretrained(model, folder)
+    with open(os.path.join(folder, "config.json")) as f:
+        assert json.load(f)["dtype"] == "float32"
+    back = reload(family, folder)
+    state = back.state_dict()
+    floats = {k: v for k, v in state.items() if v.is_floating_point()}
+    assert {v.dtype for v in floats.values()} == {torch.float32}, {k: v.dtype for k, v in floats.items()}
+    for key, value in export.items():
+        assert key in state, key
+        assert torch.equal(state[key], value), key  # bit for bit (fp32 against fp32)
+    if mp.masters is not None:  # the exported values are the masters', not the 16-bit storage
+        for name, master in mp.masters.masters().items():
+            assert torch.equal(state[name], master), name
+    return back

@@ -5,14 +5,12 @@ wrote fp32 tensors under a config saying bfloat16, so transformers 5 reloaded th
 
 from __future__ import annotations
 
-import json
 import os
-import warnings
 
 import pytest
 import torch
 
-from hf_zoo import batch, build, loss_of, model_class  # (skips without transformers)
+from hf_zoo import batch, build, check_reloads_exactly, loss_of, reload  # (skips without transformers)
 from mixprec import MixedPrecision
 
 MASTERS = ("bf16-true", "fp16-true", "bf16-true-kahan", "bf16-true-sr", "bf16-true-remainder", "fp16-pure")
@@ -41,30 +39,6 @@ def trained(case: str, recipe: str, steps: int = 2):
             loss = loss_of(model(**batch(family, s)))
         mp.step(loss, opt)
     return mp, model, family
-
-
-def reload(family: str, folder):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return model_class(family).from_pretrained(folder)
-
-
-def check_reloads_exactly(mp, model, family, folder):
-    export = mp.fp32_state_dict(model)
-    mp.save_pretrained(model, folder)
-    with open(os.path.join(folder, "config.json")) as f:
-        assert json.load(f)["dtype"] == "float32"
-    back = reload(family, folder)
-    state = back.state_dict()
-    floats = {k: v for k, v in state.items() if v.is_floating_point()}
-    assert {v.dtype for v in floats.values()} == {torch.float32}, {k: v.dtype for k, v in floats.items()}
-    for key, value in export.items():
-        assert key in state, key
-        assert torch.equal(state[key], value), key  # bit for bit (fp32 against fp32)
-    if mp.masters is not None:  # the exported values are the masters', not the 16-bit storage
-        for name, master in mp.masters.masters().items():
-            assert torch.equal(state[name], master), name
-    return back
 
 
 @pytest.mark.parametrize("case,recipe", [("gpt2-embeddings-16bit", "bf16-true"), ("resnet", "fp16-true"),

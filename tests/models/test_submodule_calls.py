@@ -72,12 +72,14 @@ def test_a_submodule_called_on_its_own_outside_autocast_computes_what_it_compute
 
 
 def test_only_modules_holding_16bit_weights_get_the_wrapper_and_training_is_unchanged():
-    from mixprec.policy import AutocastForward
+    from mixprec.policy import AutocastForward, PreparedForward
 
     mp = MixedPrecision("bf16-true", "cpu")
     model = mp.prepare(build("gpt2"))
+    root = model.__dict__["forward"]  # the model's own: the output cast, and autocast outside one
+    assert isinstance(root, PreparedForward) and root.autocast == ("cpu", torch.bfloat16)
     wrapped = {n for n, m in model.named_modules() if isinstance(m.__dict__.get("forward"), AutocastForward)}
-    assert {"", "transformer", "transformer.h.0", "transformer.h.0.attn.c_attn"} <= wrapped
+    assert {"transformer", "transformer.h.0", "transformer.h.0.attn.c_attn"} <= wrapped
     # fp32 modules (norms, the embeddings and the head tied to them), parameter-free ones and
     # containers are left alone
     assert not wrapped & {"transformer.ln_f", "transformer.wte", "lm_head", "transformer.h.0.attn.attn_dropout",

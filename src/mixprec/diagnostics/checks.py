@@ -282,7 +282,7 @@ def check_grad_underflow(ev: Evidence) -> Finding:
     over = rep.overall
     evidence = [
         f"all gradients: {100 * over.landing(fmt, 1.0).zero:.2f}% of values flush to zero in {fmt} without scaling, "
-        f"{100 * over.landing(fmt, scale).zero:.2f}% at the recipe's scale {pow2_label(scale)}"
+        f"{100 * over.landing(fmt, scale).zero:.2f}% at the run's loss scale {pow2_label(scale)}"
         + (f", {100 * over.landing(fmt, rec).zero:.2f}% at the recommended {pow2_label(rec)}" if rec else ""),
     ]
     for s, ln in sorted(pool, key=lambda t: (-t[1].zero_norm, -t[1].zero))[:5]:
@@ -308,7 +308,7 @@ def check_grad_underflow(ev: Evidence) -> Finding:
     name = worst.name
     if fmt == "f16" and land.zero_norm >= UNDERFLOW_NORM:
         return Finding("grad-underflow", title, "alarm",
-                       f"{name}'s gradients flush to zero in {fmt} at the recipe's scale {pow2_label(scale)}: "
+                       f"{name}'s gradients flush to zero in {fmt} at the run's loss scale {pow2_label(scale)}: "
                        f"{_pct(land.zero)} of values, {_pct(land.zero_norm)} of the gradient norm^2{helps}",
                        tuple(evidence), fix, name, cause="gradient-underflow")
     if fmt == "f16" and land.zero >= UNDERFLOW_VALUES:
@@ -316,7 +316,7 @@ def check_grad_underflow(ev: Evidence) -> Finding:
                        f"{100 * land.zero:.1f}% of {name}'s gradient values flush to zero at {pow2_label(scale)}, but they "
                        f"carry only {_pct(land.zero_norm)} of its gradient norm^2: harmless", tuple(evidence))
     return Finding("grad-underflow", title, "ok",
-                   f"at the recipe's scale {pow2_label(scale)} no module loses a meaningful part of its gradient "
+                   f"at the run's loss scale {pow2_label(scale)} no module loses a meaningful part of its gradient "
                    f"(worst: {name}, {100 * land.zero:.2f}% of values)"
                    + (f"; recommended initial scale {pow2_label(rec)}" if rec and fmt == "f16" else ""), tuple(evidence))
 

@@ -54,7 +54,7 @@ class DoctorReport:
             "findings": [f.to_dict() for f in self.findings],
             "runs": {r.recipe: r.to_dict() for r in (ev.run, ev.fp32, ev.bf16) if r is not None},
             "probes": {
-                "grad_underflow": None if ev.grads is None else ev.grads.to_dict([1.0, ev.run.scale] + (
+                "grad_underflow": None if ev.grads is None else ev.grads.to_dict([1.0, ev.run.train_scale] + (
                     [ev.grads.recommended_scale] if ev.grads.recommended_scale else [])),
                 "update_vanishing": None if ev.updates is None else ev.updates.to_dict(),
                 "activation_range": None if ev.activations is None else ev.activations.to_dict(),
@@ -129,19 +129,20 @@ def figures(report: "DoctorReport") -> dict[str, tuple[bytes, str]]:
         z0, _, _ = rounding_thresholds(f16)
         zones = (math.log2(z0), math.log2(f16.smallest_subnormal), math.log2(f16.tiny), math.log2(f16.max))
         ranges = {n: get_format(n).log2_range for n in ev.grads.formats}
-        k = int(math.log2(ev.run.scale)) if ev.run.scale > 0 else 0
+        scale = ev.run.train_scale  # (after the scaler's warm-up: what the gradient-underflow check judges)
+        k = int(math.log2(scale)) if scale > 0 else 0
         out["grad_histogram.png"] = (
             gradient_histogram_png(ev.grads.overall.hist.tolist(), HIST_LO, zones, ranges, shift_bits=k,
-                                   shift_label=pow2_label(ev.run.scale),
+                                   shift_label=pow2_label(scale),
                                    title=f"{report.task}: all gradients (parameters and module outputs), one fp32 backward"),
             f"log2 |gradient| of one fp32 backward against fp16's zones; the outline is the histogram times the "
-            f"recipe's loss scale {pow2_label(ev.run.scale)}; bars below: each format's range",
+            f"loss scale the run trains at, {pow2_label(scale)}; bars below: each format's range",
         )
         fmt = "f16"
-        rows = sorted(((s, s.landing(fmt, 1.0), s.landing(fmt, ev.run.scale)) for s in ev.grads.by_module() if s.nonzero),
+        rows = sorted(((s, s.landing(fmt, 1.0), s.landing(fmt, scale)) for s in ev.grads.by_module() if s.nonzero),
                       key=lambda t: -t[1].zero)[:15]
         if rows:
-            series = {"scale 1": [100 * r[1].zero for r in rows], f"scale {pow2_label(ev.run.scale)}": [100 * r[2].zero for r in rows]}
+            series = {"scale 1": [100 * r[1].zero for r in rows], f"scale {pow2_label(scale)}": [100 * r[2].zero for r in rows]}
             if ev.grads.recommended_scale:
                 series[f"scale {pow2_label(ev.grads.recommended_scale)} (recommended)"] = [
                     100 * r[0].landing(fmt, ev.grads.recommended_scale).zero for r in rows]

@@ -20,6 +20,7 @@ from torch import nn
 from mixprec.diagnostics.events import NonFiniteEvent
 from mixprec.diagnostics.guard import nan_guard
 from mixprec.diagnostics.scale_monitor import Overflow, ScaleDiagnosis, ScaleMonitor, diagnose_scale
+from mixprec.policy import PreparedForward
 from mixprec.tasks import Task, to_device
 from mixprec.training import MixedPrecision
 
@@ -113,14 +114,31 @@ def build(task: Task, recipe: str, device: torch.device, seed: int, **mp_kwargs:
     return model, mp
 
 
+class _Watcher:
+    """A removable watch on a prepared model's own output (``PreparedForward.watchers``)."""
+
+    def __init__(self, prepared: PreparedForward, fn: Any) -> None:
+        self.prepared, self.fn = prepared, fn
+        prepared.watchers.append(fn)
+
+    def remove(self) -> None:
+        if self.fn in self.prepared.watchers:
+            self.prepared.watchers.remove(self.fn)
+
+
 def _scalar_watch(model: nn.Module, out: list[tuple[str, str, torch.dtype]]) -> list[Any]:
     def hook(name: str, module: nn.Module, args: Any, output: Any) -> None:
         if isinstance(output, torch.Tensor) and output.is_floating_point() and output.numel() == 1:
             out.append((name, type(module).__name__, output.dtype))
 
-    # prepend: see the model's own output before the recipe's output cast turns it into fp32
-    return [m.register_forward_hook(lambda mod, a, o, n=n: hook(n, mod, a, o), prepend=True)
-            for n, m in model.named_modules()]
+    handles: list[Any] = []
+    for n, m in model.named_modules():
+        prepared = m.__dict__.get("forward")
+        if isinstance(prepared, PreparedForward):  # the model's own output, before the recipe's output cast
+            handles.append(_Watcher(prepared, lambda o, n=n, m=m: hook(n, m, (), o)))
+        else:
+            handles.append(m.register_forward_hook(lambda mod, a, o, n=n: hook(n, mod, a, o), prepend=True))
+    return handles
 
 
 def _zero_watch(model: nn.Module, out: dict[str, float]) -> list[Any]:

@@ -100,8 +100,10 @@ def _write(model: nn.Module, state: dict[str, Any], folder: str, kwargs: dict[st
 
 
 def _check_written(folder: str, state: dict[str, Any]) -> list[str]:
-    """The files written, after checking that every tensor in them is the state dict's, bit for bit,
-    and that the config says float32 (raises before anything is published)."""
+    """The files written, after checking that every floating tensor in them is fp32, that those under
+    a state dict key hold its value bit for bit (transformers may write some under their original
+    names: ViT's q_proj as attention.query), and that the config says float32 (raises before
+    anything is published)."""
     from safetensors.torch import load_file  # a transformers dependency
 
     files = sorted(os.listdir(folder))
@@ -111,10 +113,11 @@ def _check_written(folder: str, state: dict[str, Any]) -> list[str]:
     for shard in shards:
         for key, value in load_file(os.path.join(folder, shard)).items():
             want = state.get(key)
-            if not isinstance(want, torch.Tensor) or want.dtype != value.dtype or not torch.equal(want.cpu(), value):
+            sixteen = value.is_floating_point() and value.dtype != torch.float32
+            if sixteen or (isinstance(want, torch.Tensor) and (want.dtype != value.dtype or not torch.equal(want.cpu(), value))):
                 raise RuntimeError(
-                    f"the fp32 export wrote {key!r} in {shard} as {value.dtype} that is not the fp32 state dict's "
-                    "value; nothing was published (please report this)")
+                    f"the fp32 export wrote {key!r} in {shard} as {value.dtype}, not the fp32 state dict's value; "
+                    "nothing was published (please report this)")
     with open(os.path.join(folder, "config.json")) as f:
         dtype = json.load(f).get("dtype")
     if dtype != "float32":
