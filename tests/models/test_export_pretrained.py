@@ -54,6 +54,12 @@ def test_save_pretrained_reloads_in_fp32_exactly(tmp_path, case, recipe):
 @pytest.mark.parametrize("recipe", [*MASTERS, "bf16-pure", "bf16-mixed", "fp8-delayed", "fp32"])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_save_pretrained_reloads_in_fp32_exactly_every_recipe(tmp_path, case, recipe):
+    if case == "resnet" and "fp8" in recipe:  # convolutions and a 64x10 head: nothing would compute in fp8
+        from mixprec.fp8 import Fp8Error
+
+        with pytest.raises(Fp8Error, match="no layer of this model would compute in fp8"):
+            trained(case, recipe)
+        return
     mp, model, family = trained(case, recipe)
     check_reloads_exactly(mp, model, family, tmp_path / "export")
 

@@ -103,6 +103,12 @@ def _cells():
 @pytest.mark.filterwarnings("ignore::UserWarning")  # fp8's "no layer computes in fp8" on GPT-2 (Conv1D)
 @pytest.mark.parametrize("family,recipe", list(_cells()))
 def test_a_real_model_trains_resumes_bitwise_and_tracks_fp32(family, recipe, tmp_path):
+    if family == "resnet" and "fp8" in recipe:  # convolutions and a 64x10 head: an fp8 recipe is refused
+        from mixprec.fp8 import Fp8Error
+
+        with pytest.raises(Fp8Error, match="no layer of this model would compute in fp8"):
+            _start(family, recipe, guard=True)
+        return
     mp, model, opt = _start(family, recipe, guard=True)
     first = _steps(family, mp, model, opt, range(RESUME_AT))
     saved = _checkpoint(mp, model, opt)
