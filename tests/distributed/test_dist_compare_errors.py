@@ -24,3 +24,11 @@ def test_when_one_rank_fails_its_error_is_the_first_thing_said():
     first = out.stderr.splitlines()[0]
     assert first == ("error: compare --nproc 2: rank 1 failed: OSError: rank 1 cannot read its weights: "
                      "/data/w.bin is missing"), out.stderr[-3000:]
+
+
+def test_the_error_that_broke_the_collectives_comes_before_the_other_ranks_broken_collectives():
+    from mixprec.comparison.parallel import _is_consequence
+
+    failures = ["rank 0 failed: RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1933",
+                "rank 1 failed: OSError: rank 1 cannot read its weights"]
+    assert sorted(failures, key=_is_consequence)[0].startswith("rank 1 failed: OSError")

@@ -138,10 +138,20 @@ def run_plan_on_ranks(task: Any, task_kwargs: dict[str, Any], plan: list[tuple[R
             launch("mixprec.comparison.parallel", [str(spec_path), str(out_path)], nproc, tag=TAG, on_line=on_line,
                    timeout=timeout)
         except LaunchError as e:  # a rank's own error first; the launcher's output after it
-            first = "; ".join(failures) + "\n(the launcher's output follows)\n" if failures else ""
+            failures.sort(key=_is_consequence)  # (the others' broken collectives after the error that broke them)
+            first = "\n".join(failures) + "\n(the launcher's output follows)\n" if failures else ""
             raise RuntimeError(f"compare --nproc {nproc}: {first}{e}") from None
         with open(out_path, "rb") as f:
             return pickle.load(f)  # written by rank 0 of this launch, a moment ago
+
+
+# what a rank raises when another rank stopped in the middle of a collective: a consequence, not the cause
+_CONSEQUENCES = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "timed out", "Timed out",
+                 "another rank may have stopped", "DesyncError")
+
+
+def _is_consequence(failure: str) -> bool:
+    return any(c in failure for c in _CONSEQUENCES)
 
 
 def main(argv: list[str] | None = None) -> int:
