@@ -90,15 +90,16 @@ class Flow:
         return mapped
 
     def _autocast(self, frame: Frame, expr: ast.expr):
+        """(the autocast ``with expr`` enters or None, whether it came from a caller's argument)."""
         found = autocast_of(frame.script, expr)
         if found is not None or frame.parent is None:
-            return found
+            return found, False
         target = expr.func if isinstance(expr, ast.Call) else expr
         k = key_of(target)
         if k is None or k.partition(".")[0] not in frame.binding:
-            return None
+            return None, False
         home, local = frame.origin(k)  # ``amp_autocast`` passed in by the caller
-        return autocast_for_key(home, local, expr)
+        return autocast_for_key(home, local, expr), True
 
     # --- statements ------------------------------------------------------------------------
 
@@ -113,9 +114,10 @@ class Flow:
             inner = ctx
             for item in stmt.items:
                 self._expr(item.context_expr, frame, inner, path)
-                autocast = self._autocast(frame, item.context_expr)
+                autocast, inherited = self._autocast(frame, item.context_expr)
                 if autocast is not None:
-                    inner = inner + (Region(autocast, frame.site),)
+                    # a factory the caller passed in: the helper alone cannot see the region
+                    inner = inner + (Region(autocast, None if inherited else frame.site),)
                     self._emit("autocast", item.context_expr, frame, inner, path)
             self._block(stmt.body, frame, inner, path)
         elif isinstance(stmt, ast.If):
