@@ -154,3 +154,156 @@ def test_an_autocast_factory_passed_as_a_parameter_is_an_autocast_in_the_callee(
             """,
     })
     assert found == [("main.py", 8, "MP102")]
+
+
+def test_a_checkpoint_saved_by_a_helper_of_another_module_is_judged_at_the_call(tmp_path):
+    found = project(tmp_path, {
+        "yolox/__init__.py": "",
+        "yolox/utils/__init__.py": "from .checkpoint import load_ckpt, save_checkpoint\n",
+        "yolox/utils/checkpoint.py": """
+            import os
+            import torch
+
+            def load_ckpt(model, ckpt):
+                return model
+
+            def save_checkpoint(state, is_best, save_dir, model_name=""):
+                filename = os.path.join(save_dir, model_name + "_ckpt.pth")
+                torch.save(state, filename)
+            """,
+        "yolox/core/trainer.py": """
+            import torch
+            from yolox.utils import save_checkpoint
+
+            class Trainer:
+                def __init__(self, args):
+                    self.scaler = torch.cuda.amp.GradScaler(enabled=args.fp16)
+
+                def train_one_iter(self, inps, targets):
+                    with torch.cuda.amp.autocast(enabled=self.amp_training):
+                        loss = self.model(inps, targets)
+                    self.optimizer.zero_grad()
+                    self.scaler.scale(loss).backward()
+                    self.scaler.step(self.optimizer)
+                    self.scaler.update()
+
+                def save_ckpt(self, name, best=False):
+                    ckpt_state = {
+                        "start_epoch": self.epoch + 1,
+                        "model": self.model.state_dict(),
+                        "optimizer": self.optimizer.state_dict(),
+                    }
+                    save_checkpoint(ckpt_state, best, self.file_name, name)
+            """,
+    })
+    assert [f for f in found if f[2] != "MP201"] == [("yolox/core/trainer.py", 23, "MP111")]
+
+
+WRITER = """
+import torch
+
+def save_checkpoint(model, optimizer, learning_rate, iteration, path{extra}):
+    torch.save(
+        {{
+            "model": model.state_dict(),
+            "iteration": iteration,
+            "optimizer": optimizer.state_dict(),
+            "learning_rate": learning_rate,{entry}
+        }},
+        path,
+    )
+"""
+
+TRAIN = """
+import torch
+from train import utils
+
+def train_and_evaluate(epoch, net_g, optim_g, scaler, loader, hps):
+    for x, y in loader:
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = net_g(x, y)
+        optim_g.zero_grad()
+        scaler.scale(loss).backward()
+        scaler.step(optim_g)
+        scaler.update()
+    utils.save_checkpoint(net_g, optim_g, hps.lr, epoch, "G.pth"{passed})
+"""
+
+
+def test_a_project_function_that_writes_a_checkpoint_without_the_callers_scaler_is_reported_at_the_call(tmp_path):
+    found = project(tmp_path, {
+        "train/__init__.py": "",
+        "train/utils.py": WRITER.format(extra="", entry=""),
+        "train/train.py": TRAIN.format(passed=""),
+    })
+    assert found == [("train/train.py", 13, "MP111")]
+
+
+def test_a_checkpoint_writer_given_the_scaler_is_clean(tmp_path):
+    found = project(tmp_path, {
+        "train/__init__.py": "",
+        "train/utils.py": WRITER.format(extra=", scaler=None", entry='\n            "scaler": scaler.state_dict(),'),
+        "train/train.py": TRAIN.format(passed=", scaler=scaler"),
+    })
+    assert found == []
+
+
+def test_a_scaler_built_in_main_and_stepped_in_a_helper_is_missing_from_mains_checkpoint(tmp_path):
+    found = project(tmp_path, {
+        "engine.py": """
+            import torch
+
+            def train_one_epoch(model, loader, optimizer, scaler):
+                for x, y in loader:
+                    with torch.autocast("cuda", dtype=torch.float16):
+                        loss = model(x, y)
+                    scaler.scale(loss).backward()
+                    scaler.step(optimizer)
+                    scaler.update()
+            """,
+        "main.py": """
+            import torch
+            from engine import train_one_epoch
+
+            def main(args, model, loader):
+                optimizer = torch.optim.AdamW(model.parameters())
+                scaler = torch.amp.GradScaler("cuda")
+                for epoch in range(args.epochs):
+                    train_one_epoch(model, loader, optimizer, scaler)
+                    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch}
+                    torch.save(state, "checkpoint.pth")
+            """,
+    })
+    assert found == [("main.py", 11, "MP111")]
+
+
+def test_a_checkpointer_built_with_the_optimizer_but_not_the_scaler_is_reported(tmp_path):
+    found = project(tmp_path, {
+        "train.py": """
+            from fvcore.common.checkpoint import Checkpointer
+
+            def do_train(cfg, model, optimizer):
+                fp16_scaler = model.fp16_scaler
+                checkpointer = Checkpointer(model, cfg.output_dir, optimizer=optimizer, save_to_disk=True)
+                for data in loader:
+                    loss = model(data)
+                    fp16_scaler.scale(loss).backward()
+                    fp16_scaler.step(optimizer)
+                    fp16_scaler.update()
+                    checkpointer.save("model")
+            """,
+        "trainer.py": """
+            from detectron2.checkpoint import DetectionCheckpointer
+
+            class Trainer:
+                def build(self, cfg, model):
+                    self.grad_scaler = model.grad_scaler
+                    self.checkpointer = DetectionCheckpointer(model, cfg.OUTPUT_DIR, trainer=self)
+
+                def step(self, loss):
+                    self.grad_scaler.scale(loss).backward()
+                    self.grad_scaler.step(self.optimizer)
+                    self.grad_scaler.update()
+            """,
+    })
+    assert found == [("train.py", 6, "MP111")]
