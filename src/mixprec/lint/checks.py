@@ -10,15 +10,14 @@ import ast
 import bisect
 from collections import defaultdict
 
+from mixprec.lint.casts import half_model_hits
 from mixprec.lint.checkpoints import checkpoint_hits, method_calls
 from mixprec.lint.coverage import coverage_hits
 from mixprec.lint.events import Branch, Event, Region, exclusive, exclusive_either, opposite_arms, show, unrelated
 from mixprec.lint.flow import Flow
-from mixprec.lint.dtypes import one_dtype
 from mixprec.lint.names import Script, argument, key_of, last
 from mixprec.lint.report import Hit
 
-_STRATEGY_LIBS = frozenset({"apex", "mixprec", "deepspeed"})  # own master weights / step order
 
 
 def place(event: Event, *others: Event | Region) -> ast.AST | None:
@@ -381,7 +380,7 @@ def _may_reach(escape: Event, scaler: str | None) -> bool:
 
 
 def file_checks(script: Script) -> list[Hit]:
-    return [*_update_never_called(script), *_half_model(script), *checkpoint_hits(script), *coverage_hits(script)]
+    return [*_update_never_called(script), *half_model_hits(script), *checkpoint_hits(script), *coverage_hits(script)]
 
 
 def _update_never_called(script: Script) -> list[Hit]:  # MP104 (the whole-file half)
@@ -419,63 +418,6 @@ def _received(script: Script, node: ast.AST, k: str) -> bool:
     a = func.args
     params = {p.arg for p in (*a.posonlyargs, *a.args, *a.kwonlyargs)}
     return root in params and root not in ("self", "cls")
-
-
-def _cast_16(script: Script, node: ast.AST) -> ast.Call | None:
-    """The call in a method chain like ``Net().to(dev).half()`` that casts to fp16/bf16."""
-    while isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
-        method = node.func.attr
-        if method in ("half", "bfloat16") and not node.args:
-            return node
-        if method == "from_pretrained":  # Hugging Face: from_pretrained(..., torch_dtype=torch.bfloat16)
-            if any(kw.arg in ("torch_dtype", "dtype") and one_dtype(script, kw.value) in ("fp16", "bf16") for kw in node.keywords):
-                return node
-        if method in ("to", "type"):
-            dtypes = [one_dtype(script, a) for a in node.args] + [
-                one_dtype(script, kw.value) for kw in node.keywords if kw.arg == "dtype"
-            ]
-            if any(d in ("fp16", "bf16") for d in dtypes):
-                return node
-        node = node.func.value
-    return None
-
-
-def _half_model(script: Script) -> list[Hit]:  # MP106
-    if script.imported_roots & _STRATEGY_LIBS:
-        return []
-    casts: list[tuple[str, ast.Call]] = []
-    for node in script.nodes:
-        if isinstance(node, ast.Expr):  # model.half(), model.to(dev).half(): modules cast in place
-            cast = _cast_16(script, node.value)
-            root = cast.func.value if cast is not None else None
-            while isinstance(root, ast.Call) and isinstance(root.func, ast.Attribute):
-                root = root.func.value
-            k = key_of(root)
-        elif isinstance(node, ast.Assign) and len(node.targets) == 1:
-            cast = _cast_16(script, node.value)
-            k = key_of(node.targets[0])
-        else:
-            continue
-        # A model rebound after the cast (get_peft_model, a wrapper) may train other parameters.
-        if cast is not None and k is not None and not any(
-            v.lineno > cast.lineno and script.same_scope(v, cast, k) for v in script.assigns.get(k, [])
-        ):
-            casts.append((k, cast))
-    trained: dict[str, list[ast.Call]] = {}  # model key -> torch.optim constructions over its parameters
-    for call in script.calls:
-        # torch.optim only: other libraries ship optimizers made for 16-bit weights (Kahan
-        # summation, stochastic rounding), which are the fix, not the trap.
-        if (script.qualname(call.func) or "").startswith("torch.optim."):
-            params = argument(call, 0, "params")
-            for node in ast.walk(params) if params is not None else ():
-                if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
-                    if node.func.attr in ("parameters", "named_parameters"):
-                        trained.setdefault(key_of(node.func.value), []).append(call)
-    return [
-        Hit("MP106", cast, f"{k} is cast to 16 bits and its parameters are given to the optimizer: no fp32 master weights")
-        for k, cast in sorted(casts, key=lambda kc: kc[1].lineno)
-        if any(script.same_scope(cast, opt, k) for opt in trained.get(k, []))
-    ]
 
 
 def check(script: Script) -> list[Hit]:
