@@ -7,52 +7,20 @@ or a scaler is handed to code that cannot be read, the rule does not report.
 from __future__ import annotations
 
 import ast
-import bisect
 from collections import defaultdict
 
 from mixprec.lint.casts import half_model_hits
 from mixprec.lint.checkpoints import checkpoint_hits, method_calls
 from mixprec.lint.coverage import coverage_hits
-from mixprec.lint.events import Branch, Event, Region, exclusive, exclusive_either, opposite_arms, show, unrelated
+from mixprec.lint.events import (
+    Branch, Event, before as _before, between as _between, exclusive, exclusive_either, opposite_arms, place,
+    show, via as _via,
+)
+from mixprec.lint import precision
 from mixprec.lint.flow import Flow
-from mixprec.lint.names import Script, argument, key_of, last
+from mixprec.lint.names import Script, key_of, last
 from mixprec.lint.report import Hit
 
-
-
-def place(event: Event, *others: Event | Region) -> ast.AST | None:
-    """Where to report a finding about ``event`` that also involves ``others``.
-
-    None when everything involved happened inside one call to a helper in this file: the
-    helper's own analysis reports it there, once.
-    """
-    sites = {event.site, *(o.site for o in others)}
-    if event.site is None:
-        return event.node
-    if None in sites or len(sites) > 1:
-        return event.site
-    return None
-
-
-def _via(event: Event) -> str:
-    return f" (in {ast.unparse(event.site.func)}())" if event.site is not None else ""
-
-
-def _before(events: list[Event], later: Event) -> Event | None:
-    """The last of ``events`` (in order) that runs before ``later`` in the same pass."""
-    for e in reversed(events[: bisect.bisect_left(events, later.order, key=_order)]):
-        if not exclusive(e, later):
-            return e
-    return None
-
-
-def _between(events: list[Event], first: Event, later: Event) -> list[Event]:
-    """The ``events`` (in order) strictly between ``first`` and ``later``."""
-    return events[bisect.bisect_right(events, first.order, key=_order) : bisect.bisect_left(events, later.order, key=_order)]
-
-
-def _order(event: Event) -> int:
-    return event.order
 
 
 class FunctionChecks:
@@ -245,39 +213,7 @@ class FunctionChecks:
                 )
 
     def precision_and_scaler(self) -> None:  # MP107, MP108
-        regions = [e for e in self.of("autocast") if e.ctx[-1].autocast.enabled is not False]
-        dtypes = {e.ctx[-1].autocast.dtype for e in regions}
-        backs = self.of("backward")
-        scaled = [b for b in backs if b.loss == "scaled" and self.live(b.scaler)]
-        if regions and dtypes == {"bf16"}:
-            for back in scaled:
-                if self.scaler_enabled(back.scaler) is True:
-                    self.hit(
-                        "MP107",
-                        place(back, *regions),
-                        f"GradScaler {show(back.scaler)} used with bf16 autocast, which needs no loss scaling{_via(back)}",
-                    )
-                    break
-        # a region run without gradients (an evaluation under torch.no_grad()) feeds no backward()
-        fp16 = [e for e in regions if e.ctx[-1].autocast.dtype == "fp16" and not self._without_grad(e)]
-        plain = [b for b in backs if b.loss == "plain" or (b.loss == "scaled" and not self.live(b.scaler))]
-        scaler_used = scaled or any(e.kind in ("scaler_step", "unscale", "update", "escape") for e in self.events)
-        # a region and a backward() that cannot run in one pass (``if amp:`` ... ``else:``) are no pair
-        pairs = (
-            (r, b)
-            for r in fp16
-            for b in plain
-            if not (exclusive(r, b) if r.order < b.order else exclusive(b, r)) and not opposite_arms(r, b)
-        )
-        pair = None if scaler_used else next(pairs, None)
-        if pair is not None:
-            region, back = pair
-            self.hit(
-                "MP108",
-                place(region, back),
-                f"float16 autocast with no GradScaler: backward() on line "
-                f"{(back.site or back.node).lineno} runs on an unscaled loss{_via(region)}",
-            )
+        precision.check(self)
 
     def _without_grad(self, e: Event) -> bool:
         """The event, or the call in the analysed function that led to it, runs with grads off."""

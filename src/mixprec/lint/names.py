@@ -106,6 +106,7 @@ class Script:
         self._classdefs: list[ast.ClassDef] = []
         # ``from .x import y as z``: z -> (level, "x", "y"); ``from . import m``: m -> (1, None, "m")
         self.relative: dict[str, tuple[int, str | None, str]] = {}
+        self._parents: dict[int, ast.AST] | None = None
         self.path = None  # the file, when known (set by the engine); the project resolves imports from it
         self.project = None  # the workspace.Project the file is linted in, or None
         for name, target in (star_aliases or {}).items():  # the file's own imports override these
@@ -307,6 +308,12 @@ class Script:
     def scaler_enabled(self, k: str | None) -> bool | None:
         """True/False when every construction of ``k`` says so literally; None otherwise."""
         return self.scaler_enabled_by_key.get(k) if k else None
+
+    def parent(self, node: ast.AST) -> ast.AST | None:
+        """The node ``node`` is a child of (the map is built on the first question)."""
+        if self._parents is None:
+            self._parents = {id(c): n for n in self.nodes for c in ast.iter_child_nodes(n)}
+        return self._parents.get(id(node))
 
     def store_count(self, k: str) -> int:
         """How many times the file binds (or deletes) ``k``: assignments, loop targets, ``as`` names..."""
