@@ -127,3 +127,33 @@ def test_two_plain_updates_in_one_step_are_still_reported():
         scaler.update()
     """
     assert codes(source, "MP105") == [(10, "MP105")]
+
+
+def test_a_direct_step_in_the_arm_where_scaling_is_off_is_not_a_bypass_across_a_helper():
+    # composer's trainer: the helper scales (or not) on a flag, the caller steps on the same flag
+    source = """
+    import torch
+
+    class Trainer:
+        def _train_microbatches(self, microbatches, use_grad_scaling):
+            for mb in microbatches:
+                loss = self.model(mb)
+                if use_grad_scaling:
+                    self.scaler.scale(loss).backward()
+                else:
+                    loss.backward()
+            if use_grad_scaling:
+                for optimizer in self.optimizers:
+                    self.scaler.unscale_(optimizer)
+
+        def train_batch(self, batch):
+            use_grad_scaling = self._use_grad_scaling(self.precision, self.scaler)
+            self._train_microbatches(batch, use_grad_scaling)
+            for optimizer in self.optimizers:
+                if use_grad_scaling:
+                    self.scaler.step(optimizer)
+                else:
+                    optimizer.step()
+            self.scaler.update()
+    """
+    assert codes(source) == []

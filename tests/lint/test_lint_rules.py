@@ -641,7 +641,8 @@ def test_unscale_per_micro_batch_through_a_helper_is_reported_at_the_call():
                 scaler.step(opt)
                 scaler.update()
     """
-    assert codes(source) == [(12, "MP114")]
+    # the clip in the helper runs on every micro-batch too (MP118)
+    assert codes(source) == [(12, "MP114"), (12, "MP118")]
 
 
 def test_a_checkpoint_saved_twice_is_reported_once_and_each_dict_once():

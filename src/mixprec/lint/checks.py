@@ -13,13 +13,17 @@ from mixprec.lint.casts import half_model_hits
 from mixprec.lint.checkpoints import checkpoint_hits, method_calls
 from mixprec.lint.coverage import coverage_hits
 from mixprec.lint.events import (
-    Branch, Event, before as _before, between as _between, exclusive, exclusive_either, opposite_arms, place,
+    Branch, Event, before as _before, between as _between, exclusive, opposite_arms, place,
     show, via as _via,
 )
 from mixprec.lint import precision
+from mixprec.lint.accumulation import Accumulation
+from mixprec.lint.disabled import disabled_hits
 from mixprec.lint.flow import Flow
 from mixprec.lint.names import Script, key_of, last
 from mixprec.lint.report import Hit
+from mixprec.lint.schedules import scheduler_after_skip
+from mixprec.lint.syncs import sync_hits
 
 
 
@@ -68,9 +72,10 @@ class FunctionChecks:
             self.step_twice,
             self.precision_and_scaler,
             self.step_on_unscaled,
-            self.unscale_per_micro_batch,
         ):
             check()
+        Accumulation(self).run()  # MP114, MP116, MP118
+        scheduler_after_skip(self)  # MP120
         return self.hits
 
     def scaled_backward_before(self, event: Event) -> Event | None:
@@ -120,6 +125,8 @@ class FunctionChecks:
                 continue
             if any(isinstance(p, Branch) and p.guard and p not in back.path for p in step.path):
                 continue  # a hand-written inf check decides the step
+            if opposite_arms(back, step):
+                continue  # ``if use_scaler: ...backward()`` then ``if use_scaler: ... else: opt.step()``
             unscaled = [u for u in _between(self.of("unscale", back.scaler), back, step) if not exclusive(u, step)]
             if unscaled:  # the gradients have the right size, but nothing skips an inf/NaN step
                 what = (
@@ -235,79 +242,6 @@ class FunctionChecks:
             )
 
 
-    def unscale_per_micro_batch(self) -> None:  # MP114
-        """``scaler.unscale_(opt)`` on every iteration of a micro-batch loop (a backward() on
-        every iteration too) while ``update()`` runs only at the accumulation boundary (an ``if``
-        on the loop's counter) or after the loop: the second micro-batch raises."""
-        jumps_in, backs_in = defaultdict(list), defaultdict(list)  # loop -> its jumps / backward()s
-        for kind, index in (("jump", jumps_in), ("backward", backs_in)):
-            for e in self.of(kind):
-                for lp in e.loops:
-                    index[lp].append(e)
-        for unscale in self.of("unscale"):
-            if not self.live(unscale.scaler):
-                continue
-            root = (unscale.target or "").split(".")[0]
-            loops = [lp for lp in unscale.loops if root not in lp.targets]  # not a loop over optimizers
-            if not loops:
-                continue
-            loop = loops[-1]
-            if _at_boundary(unscale.path, loop):
-                continue  # unscaled only on the iterations that step
-            if any(j.order < unscale.order for j in jumps_in.get(loop, ())):
-                continue  # an early continue/return: what follows may run only at the boundary
-            if not any(not _at_boundary(b.path, loop) for b in backs_in.get(loop, ())):
-                continue
-            updates = self.of("update", unscale.scaler)
-            inside = [u for u in updates if loop in u.path and not exclusive_either(unscale, u)]
-            if inside:
-                if not all(_at_boundary(u.path, loop) for u in inside):
-                    continue
-                update, where = inside[0], "only at the accumulation boundary"
-            else:
-                after = [u for u in updates if u.order > unscale.order and not exclusive_either(unscale, u)]
-                steps = [e for e in self.of("scaler_step", unscale.scaler) if loop in e.path]
-                if not after or steps or any(loop in u.path for u in updates):
-                    continue
-                update, where = after[0], "after the micro-batch loop"
-            self.hit(
-                "MP114",
-                place(unscale, update),
-                f"{show(unscale.scaler)}.unscale_({show(unscale.target)}) on every micro-batch, but {show(unscale.scaler)}.update() "
-                f"runs {where} (line {(update.site or update.node).lineno}): the second micro-batch raises "
-                f"RuntimeError{_via(unscale)}",
-            )
-
-
-def _at_boundary(path: tuple, loop) -> bool:
-    """Whether ``path`` passes, inside ``loop``, an ``if`` that holds only on some iterations
-    of it: a test on the loop's counter (``(i + 1) % accum == 0``, ``ni - last >= accumulate``)."""
-    inside = path[path.index(loop) + 1 :] if loop in path else ()
-    return any(isinstance(p, Branch) and p.test is not None and _boundary_test(p.test, loop) for p in inside)
-
-
-_BOUNDARY_WORDS = ("accum", "boundary", "sync", "step", "update")
-
-
-def _boundary_test(test: ast.expr, loop) -> bool:
-    """A test that changes from one iteration of ``loop`` to the next: a ``%`` of a name, a
-    comparison of a name the loop rebinds, or such a name alone when it reads like a step flag
-    (``should_step``, ``is_accumulation_boundary``). No calls other than len()."""
-    for node in ast.walk(test):
-        if isinstance(node, ast.Call) and not (isinstance(node.func, ast.Name) and node.func.id == "len"):
-            return False
-    names = {n.id for n in ast.walk(test) if isinstance(n, ast.Name)}
-    varying = names & loop.varying
-    for node in ast.walk(test):
-        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mod):
-            if any(isinstance(n, (ast.Name, ast.Attribute)) for n in ast.walk(node)):
-                return True
-        if isinstance(node, ast.Compare) and {n.id for n in ast.walk(node) if isinstance(n, ast.Name)} & loop.varying:
-            return True
-    bare = test.operand if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not) else test
-    return isinstance(bare, ast.Name) and bool(varying) and any(w in bare.id.lower() for w in _BOUNDARY_WORDS)
-
-
 def _may_reach(escape: Event, scaler: str | None) -> bool:
     return escape.scaler == scaler or (escape.scaler == "self" and (scaler or "").startswith("self."))
 
@@ -316,7 +250,10 @@ def _may_reach(escape: Event, scaler: str | None) -> bool:
 
 
 def file_checks(script: Script) -> list[Hit]:
-    return [*_update_never_called(script), *half_model_hits(script), *checkpoint_hits(script), *coverage_hits(script)]
+    return [
+        *_update_never_called(script), *half_model_hits(script), *checkpoint_hits(script), *coverage_hits(script),
+        *disabled_hits(script), *sync_hits(script),
+    ]
 
 
 def _update_never_called(script: Script) -> list[Hit]:  # MP104 (the whole-file half)
@@ -359,7 +296,10 @@ def _received(script: Script, node: ast.AST, k: str) -> bool:
 def check(script: Script) -> list[Hit]:
     """All MP1xx hits of a file, each place reported once."""
     hits = file_checks(script)
-    if script.scaler_keys or script.uses_autocast:  # else no event rule can fire: skip the walk
+    walk = script.scaler_keys or script.uses_autocast or any(
+        isinstance(c.func, ast.Attribute) and c.func.attr in ("backward", "autocast") for c in script.calls
+    )
+    if walk:  # else no event rule can fire: skip the walk
         flow = Flow(script)
         bodies = [script.tree] + [f for defs in (*script.functions.values(), *script.methods.values()) for f in defs]
         for body in bodies:
@@ -367,4 +307,5 @@ def check(script: Script) -> list[Hit]:
     unique: dict[tuple, Hit] = {}
     for h in hits:
         unique.setdefault((h.code, h.node.lineno, h.node.col_offset), h)
-    return list(unique.values())
+    notes = sorted((h for h in unique.values() if h.code == "MP120"), key=lambda h: h.node.lineno)
+    return [h for h in unique.values() if h.code != "MP120"] + notes[:1]  # MP120: once per file

@@ -1,0 +1,53 @@
+"""MP120: a learning-rate scheduler stepped on the iterations the GradScaler skipped.
+
+``scaler.step(optimizer)`` skips the optimizer's step when the gradients hold inf/NaN; a
+``scheduler.step()`` after it in the same iteration (the innermost loop around the scaler's
+step) advances the schedule anyway. Not reported when the function reads the scale back to tell
+a skipped step (``scaler.get_scale()``), and reported once per file: it is worth knowing, rarely
+worth more than a few steps of schedule (severity "info").
+"""
+
+from __future__ import annotations
+
+import ast
+
+from mixprec.lint.events import exclusive_either, opposite_arms, place, show
+from mixprec.lint.events import via as _via
+from mixprec.lint.names import key_of
+
+
+def _drives(fc, sched, step, loop) -> bool:
+    """Whether ``sched`` may schedule the optimizer ``step`` steps: built over it (when its
+    construction is seen), else the only optimizer stepped in the loop."""
+    home, local = fc.origins.get(sched.target, (fc.script, sched.target))
+    built = home.assigns.get(local, []) if local else []
+    over = {key_of(v.args[0]) for v in built if isinstance(v, ast.Call) and v.args}
+    if over and None not in over:
+        _, target = fc.origins.get(step.target, (None, step.target))
+        return target in over or show(step.target) in over
+    stepped = {e.target for e in (*fc.of("opt_step"), *fc.of("scaler_step")) if loop in e.path}
+    return len(stepped) == 1
+
+
+def scheduler_after_skip(fc) -> None:  # MP120
+    if fc.of("skip_check"):
+        return  # the scale is read back: the code can tell a skipped step
+    for sched in fc.of("sched_step"):
+        if not sched.loops:
+            continue
+        loop = sched.loops[-1]
+        steps = [
+            s for s in fc.of("scaler_step")
+            if fc.live(s.scaler) and s.loops and s.loops[-1] == loop and s.order < sched.order
+            and not exclusive_either(s, sched) and not opposite_arms(s, sched)
+        ]
+        steps = [s for s in steps if _drives(fc, sched, s, loop)]
+        if steps:
+            step = steps[-1]
+            fc.hit(
+                "MP120",
+                place(sched, step),
+                f"{show(sched.target)}.step() runs even when {show(step.scaler)}.step() (line {step.line}) skipped "
+                f"the optimizer's step for inf/NaN gradients: the schedule runs ahead of the weights{_via(sched)}",
+            )
+            return
