@@ -64,6 +64,9 @@ optimizer = optimizer_class(params_to_optimize, lr=1e-4)
 disc_optimizer = optimizer_class(discriminator.heads.parameters(), lr=1e-4)
 vae.to(accelerator.device, dtype=weight_dtype)
 discriminator.to(accelerator.device, dtype=weight_dtype)
+for batch in loader:
+    accelerator.backward(vae(batch).loss)
+    optimizer.step()
 """
     found = lint_source(source)
     assert [(f.line, f.code) for f in found] == [(14, "MP106"), (15, "MP106")]
@@ -102,6 +105,23 @@ def test_an_optimizer_built_in_another_module_of_the_project_is_followed(tmp_pat
         """))
     found = [(Path(f.path).name, f.line, f.code) for f in lint_paths([tmp_path]).findings]
     assert found == [("main.py", 5, "MP106")]
+
+
+def test_a_cast_in_the_arm_where_the_model_is_not_trained_or_after_training_is_clean():
+    source = WEIGHT_DTYPE + """
+params_to_optimize = (
+    itertools.chain(unet.parameters(), text_encoder.parameters()) if args.train_text_encoder else unet.parameters()
+)
+optimizer = torch.optim.AdamW(params_to_optimize, lr=1e-4)
+if not args.train_text_encoder and text_encoder is not None:
+    text_encoder.to(accelerator.device, dtype=weight_dtype)
+for batch in loader:
+    accelerator.backward(unet(batch).loss)
+    optimizer.step()
+unet.to(torch.float16)  # after training: to save half-size weights
+unet.save_pretrained("out")
+"""
+    assert [f for f in lint_source(source) if f.code == "MP106"] == []
 
 
 def test_adapters_upcast_for_training_and_sharded_accelerate_set_ups_are_clean():

@@ -55,8 +55,8 @@ def _guarded_after(event: Event, loop: Loop, jumps: list[Event]) -> bool:
     """Whether an earlier ``continue``/``return`` in ``loop``, under a boundary test (or under
     no test at all), leaves ``event`` to run on the boundary iterations only."""
     for jump in jumps:
-        if jump.order >= event.order:
-            continue
+        if jump.order >= event.order or jump.frames[-1] != loop.frame:
+            continue  # later, or a return from a helper called in the loop: not the loop's own jump
         inside = jump.path[jump.path.index(loop) + 1 :] if loop in jump.path else ()
         tests = [p.test for p in inside if isinstance(p, Branch) and p.test is not None]
         if not tests or any(boundary_test(t, loop, strict=True) for t in tests):

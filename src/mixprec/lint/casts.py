@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from mixprec.lint.dtypes import dtypes as dtypes_of
 from mixprec.lint.dtypes import values
-from mixprec.lint.names import Script, argument, key_of
+from mixprec.lint.names import Script, argument, key_of, normalized_test
 from mixprec.lint.report import Hit
 from mixprec.lint.savers import definition_of
 
@@ -78,6 +78,39 @@ def _cast(script: Script, node: ast.AST) -> tuple[ast.Call, frozenset, str] | No
     return None
 
 
+def _conjuncts(test: ast.expr, holds: bool) -> set[tuple[str, bool]]:
+    """(test, polarity) facts an ``if`` arm establishes: ``not a and b`` holding gives (a,
+    False) and (b, True); the other arm of an ``and`` establishes nothing certain."""
+    test, positive = normalized_test(test)
+    if isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And) and holds == positive:
+        return set().union(*(_conjuncts(v, True) for v in test.values))
+    if isinstance(test, ast.BoolOp):
+        return set()
+    return {(ast.dump(test), positive == holds)}
+
+
+def conditions(script: Script, node: ast.AST, stop: ast.AST | None = None) -> set[tuple[str, bool]]:
+    """The facts the ``if`` statements and conditional expressions around ``node`` establish
+    where it runs (up to ``stop`` included, or its function)."""
+    facts: set[tuple[str, bool]] = set()
+    if node is stop:
+        return facts
+    child, current = node, script.parent(node)
+    while current is not None and not isinstance(current, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        if isinstance(current, ast.If) and child is not current.test:
+            facts |= _conjuncts(current.test, any(child is s for s in current.body))
+        elif isinstance(current, ast.IfExp) and child is not current.test:
+            facts |= _conjuncts(current.test, child is current.body)
+        if current is stop:
+            break
+        child, current = current, script.parent(current)
+    return facts
+
+
+def _clash(a: set, b: set) -> bool:
+    return any((text, not holds) in b for text, holds in a)
+
+
 def _root(node: ast.AST) -> ast.AST:
     while isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
         node = node.func.value
@@ -123,22 +156,24 @@ class HalfModels:
             arms.append(value)
         return any((script.qualname(v) or "").startswith("torch.optim.") for v in arms)
 
-    def trained(self) -> list[tuple[str, ast.Call]]:
-        """(model key, optimizer construction) for each optimizer over a model's parameters."""
+    def trained(self) -> list[tuple[str, ast.Call, set]]:
+        """(model key, optimizer construction, facts that hold where the optimizer gets its
+        parameters) for each optimizer over a model's parameters."""
         out = []
         for call in self.script.calls:
             if self.is_optimizer_class(call.func):
                 params = argument(call, 0, "params")
-                for k in self._models(params, call, 0):
-                    out.append((k, call))
+                for k, facts in self._models(params, call, 0):
+                    out.append((k, call, facts | conditions(self.script, call)))
             else:
                 for k in self._builder(call):
-                    out.append((k, call))
+                    out.append((k, call, conditions(self.script, call)))
         return out
 
-    def _models(self, expr: ast.AST | None, at: ast.AST, depth: int) -> set[str]:
-        """Keys whose ``.parameters()`` ``expr`` is built from (through names, three deep)."""
-        found: set[str] = set()
+    def _models(self, expr: ast.AST | None, at: ast.AST, depth: int) -> list[tuple[str, set]]:
+        """(key, facts) for each model whose ``.parameters()`` ``expr`` is built from (through
+        names, three deep), with what must hold for that model to be in it."""
+        found: list[tuple[str, set]] = []
         if expr is None or depth > 3:
             return found
         if any(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in _COPIES for n in ast.walk(expr)):
@@ -148,12 +183,12 @@ class HalfModels:
                 if node.func.attr in ("parameters", "named_parameters"):
                     k = key_of(node.func.value)
                     if k is not None:
-                        found.add(k)
+                        found.append((k, conditions(self.script, node, stop=expr)))
             elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
-                bound = values(self.script, node) or []
-                for value in bound:
+                for value in values(self.script, node) or []:
                     if value is not expr:
-                        found |= self._models(value, at, depth + 1)
+                        facts = conditions(self.script, value) | conditions(self.script, node, stop=expr)
+                        found.extend((k, f | facts) for k, f in self._models(value, at, depth + 1))
         return found
 
     def _builder(self, call: ast.Call) -> set[str]:
@@ -183,6 +218,16 @@ class HalfModels:
         return out
 
     # --- the rule --------------------------------------------------------------------------
+
+    def _trains_after(self, cast: Cast) -> bool:
+        """Whether a backward() or a step runs after ``cast`` in its scope (a cast to save the
+        weights after training is no trap)."""
+        owner = self.script.owner(cast.call)
+        return any(
+            isinstance(c.func, ast.Attribute) and c.func.attr in ("step", "backward") and c.lineno > cast.stmt.lineno
+            and self.script.owner(c) is owner
+            for c in self.script.calls
+        )
 
     def _exempt(self, k: str, at: ast.AST) -> bool:
         script = self.script
@@ -246,17 +291,19 @@ class HalfModels:
         script = self.script
         if script.imported_roots & _STRATEGY_LIBS:
             return []
-        trained: dict[str, list[ast.Call]] = {}
-        for k, call in self.trained():
-            trained.setdefault(k, []).append(call)
+        trained: dict[str, list[tuple[ast.Call, set]]] = {}
+        for k, call, facts in self.trained():
+            trained.setdefault(k, []).append((call, facts))
         hits = []
         for cast in sorted(self.casts(), key=lambda c: c.call.lineno):
+            facts = conditions(script, cast.call)
             opts = [o for key, os_ in trained.items() if key == cast.key or key.startswith(cast.key + ".") for o in os_]
-            opts = [o for o in opts if script.same_scope(cast.call, o, cast.key)]
+            # not in opposite arms: ``if not args.train_text_encoder: text_encoder.to(dtype)``
+            opts = [o for o, f in opts if script.same_scope(cast.call, o, cast.key) and not _clash(facts, f)]
             if not opts or self._exempt(cast.key, cast.call):
                 continue
             before = [o for o in opts if o.lineno > cast.stmt.lineno and not self._rebinds(cast.key, cast.stmt, o)]
-            after = [o for o in opts if o.lineno < cast.stmt.lineno] if cast.in_place else []
+            after = [o for o in opts if o.lineno < cast.stmt.lineno] if cast.in_place and self._trains_after(cast) else []
             if not before and not after:
                 continue
             when = "" if cast.dtypes <= _SIXTEEN else f" when {cast.dtype_text} is 16-bit"
@@ -284,7 +331,7 @@ def _builder_params(script: Script, func) -> frozenset[str]:
     names = {p.arg for p in (*a.posonlyargs, *a.args)}
     out: set[str] = set()
     for call in by_owner.get(id(func), ()):
-        out |= {k.split(".")[0] for k in half._models(argument(call, 0, "params"), call, 0)} & names
+        out |= {k.split(".")[0] for k, _ in half._models(argument(call, 0, "params"), call, 0)} & names
     return frozenset(out)
 
 

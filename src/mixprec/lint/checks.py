@@ -127,6 +127,8 @@ class FunctionChecks:
                 continue  # a hand-written inf check decides the step
             if opposite_arms(back, step):
                 continue  # ``if use_scaler: ...backward()`` then ``if use_scaler: ... else: opt.step()``
+            if any(s.target == step.target and _other_arm(s, step) for s in self.of("scaler_step")):
+                continue  # ``if scaling: scaler.step(opt) else: opt.step()``: the direct step is the unscaled path
             unscaled = [u for u in _between(self.of("unscale", back.scaler), back, step) if not exclusive(u, step)]
             if unscaled:  # the gradients have the right size, but nothing skips an inf/NaN step
                 what = (
@@ -240,6 +242,15 @@ class FunctionChecks:
                 f"backward() on an unscaled loss, then {show(step.scaler)}.step() unscales the gradients; "
                 f"use {show(step.scaler)}.scale(loss).backward(){_via(back)}",
             )
+
+
+def _other_arm(a: Event, b: Event) -> bool:
+    """Whether ``a`` and ``b`` sit in two arms of one ``if`` (in one frame)."""
+    for pa, pb in zip(a.path, b.path):
+        if pa == pb:
+            continue
+        return isinstance(pa, Branch) and isinstance(pb, Branch) and pa.node_id == pb.node_id and pa.frame == pb.frame
+    return False
 
 
 def _may_reach(escape: Event, scaler: str | None) -> bool:

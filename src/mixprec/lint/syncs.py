@@ -4,7 +4,8 @@
 the device for each parameter tensor, every step. Found in any loop whose body turns
 ``isfinite``/``isnan``/``isinf`` of the loop variable's ``.grad`` into a Python value: an
 ``if``/``while``/``assert`` test, a conditional expression, ``.item()``, ``bool()``, ``float()``,
-``int()``. A check that stays a tensor (``flags.append(torch.isfinite(p.grad).all())``, then one
+``int()``. A loop in an ``except`` block (a diagnosis after an overflow) does not run every
+step and is left alone. A check that stays a tensor (``flags.append(torch.isfinite(p.grad).all())``, then one
 ``torch.stack(flags).all()`` after the loop) is not reported.
 """
 
@@ -46,10 +47,20 @@ def _grad_check(node: ast.AST, targets: set[str]) -> ast.Call | None:
     return None
 
 
+def _in_handler(script: Script, node: ast.AST) -> bool:
+    """Inside an ``except`` block: runs after a failure, not every step."""
+    current = script.parent(node)
+    while current is not None and not isinstance(current, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Module)):
+        if isinstance(current, ast.ExceptHandler):
+            return True
+        current = script.parent(current)
+    return False
+
+
 def sync_hits(script: Script) -> list[Hit]:  # MP119
     hits = []
     for loop in script.nodes:
-        if not isinstance(loop, (ast.For, ast.AsyncFor)):
+        if not isinstance(loop, (ast.For, ast.AsyncFor)) or _in_handler(script, loop):
             continue
         targets = {n.id for n in ast.walk(loop.target) if isinstance(n, ast.Name)}
         found = None
