@@ -51,3 +51,25 @@ def test_an_early_continue_on_the_step_counter_leaves_unscale_to_the_boundary():
             scaler.update()
     """)
     assert [f.code for f in lint_source(source)] == []
+
+
+def test_gradients_zeroed_on_every_iteration_accumulate_nothing():
+    # SlowFast: the step is skipped on some iterations (a freeze schedule), but zero_grad() runs
+    # on every one: clipping or unscaling every iteration is right there
+    source = textwrap.dedent("""
+    import torch
+
+    def train(model, loader, opt, scaler):
+        for i, x in enumerate(loader):
+            with torch.autocast("cuda", dtype=torch.float16):
+                opt.zero_grad()
+                loss = model(x)
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            update_param = i > 100
+            if update_param:
+                scaler.step(opt)
+            scaler.update()
+    """)
+    assert [f.code for f in lint_source(source)] == []

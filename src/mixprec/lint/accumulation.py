@@ -1,7 +1,7 @@
 """MP114, MP116, MP118: gradient accumulation against the GradScaler's once-per-step calls.
 
 A *micro-batch loop* is a loop with a backward() on every iteration (not only under an ``if``
-on its counter). Its *accumulation boundary* is an ``if`` whose test changes from one iteration
+on its counter) and no ``zero_grad()`` on every iteration (else nothing accumulates). Its *accumulation boundary* is an ``if`` whose test changes from one iteration
 to the next like a step counter does (``(i + 1) % accum == 0``, ``ni - last_opt_step >=
 accumulate``, ``should_step``), or what follows an early ``continue`` under such a test (``if
 (i + 1) % accum: continue``); a guard on the data (``if short_batch: continue``, ``if x is
@@ -69,8 +69,8 @@ class Accumulation:
 
     def __init__(self, fc):
         self.fc = fc
-        self.jumps, self.backs = defaultdict(list), defaultdict(list)  # loop -> its jumps / backward()s
-        for kind, index in (("jump", self.jumps), ("backward", self.backs)):
+        self.jumps, self.backs, self.zeros = defaultdict(list), defaultdict(list), defaultdict(list)
+        for kind, index in (("jump", self.jumps), ("backward", self.backs), ("zero_grad", self.zeros)):
             for e in fc.of(kind):
                 for lp in e.loops:
                     index[lp].append(e)
@@ -89,6 +89,8 @@ class Accumulation:
             return None
         if not any(self.every_iteration(b, loop) for b in self.backs.get(loop, ())):
             return None
+        if any(self.every_iteration(z, loop) and not exclusive_either(z, event) for z in self.zeros.get(loop, ())):
+            return None  # gradients zeroed on every iteration: nothing accumulates
         return loop
 
     def run(self) -> None:

@@ -8,7 +8,7 @@ module's top level) statement by statement and records the calls that matter as 
     backward, clip, unscale, scaler_step, update, opt_step, sched_step, autocast (entering a
     region), loss_call (a sensitive custom loss), escape (a scaler handed to code we cannot
     see), jump (a continue, break or return: what follows it may not run on every iteration),
-    skip_check (the scale read back after a step, to see whether it was skipped)
+    skip_check (the scale read back after a step, to see whether it was skipped), zero_grad
 
 A call the walk can see into is followed (inlined, three levels deep), with its parameters bound
 to the caller's arguments, so a loop split across functions reads as one step: a function of
@@ -219,6 +219,9 @@ class Flow:
                 if func.attr in kinds:
                     receiver = self._remember(frame, local)
                     self._emit(kinds[func.attr], call, frame, ctx, path, scaler=receiver, target=self._remember(frame, first))
+                return
+            if func.attr == "zero_grad":
+                self._emit("zero_grad", call, frame, ctx, path, target=self._remember(frame, local))
                 return
             if func.attr == "step" and self.is_optimizer(frame, local):
                 self._emit("opt_step", call, frame, ctx, path, target=self._remember(frame, local))
