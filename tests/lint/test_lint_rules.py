@@ -183,7 +183,8 @@ def test_step_on_things_that_are_not_optimizers_is_not_a_bypass(receiver):
     scaler.update()
     {receiver}.step()
     """
-    assert codes(source) == []
+    # a scheduler stepped after scaler.step() is MP120's note (info), not a bypass
+    assert [c for c in codes(source) if c[1] != "MP120"] == []
 
 
 def test_exclusive_branches_are_not_two_updates():

@@ -2,7 +2,8 @@
 
 ``scaler.step(optimizer)`` skips the optimizer's step when the gradients hold inf/NaN; a
 ``scheduler.step()`` after it in the same iteration (the innermost loop around the scaler's
-step) advances the schedule anyway. Not reported when the function reads the scale back to tell
+step, or a step function with no loop, which a framework calls once per batch) advances the
+schedule anyway. Not reported when the function reads the scale back to tell
 a skipped step (``scaler.get_scale()``), and reported once per file: it is worth knowing, rarely
 worth more than a few steps of schedule (severity "info").
 """
@@ -25,7 +26,7 @@ def _drives(fc, sched, step, loop) -> bool:
     if over and None not in over:
         _, target = fc.origins.get(step.target, (None, step.target))
         return target in over or show(step.target) in over
-    stepped = {e.target for e in (*fc.of("opt_step"), *fc.of("scaler_step")) if loop in e.path}
+    stepped = {e.target for e in (*fc.of("opt_step"), *fc.of("scaler_step")) if loop is None or loop in e.path}
     return len(stepped) == 1
 
 
@@ -33,12 +34,12 @@ def scheduler_after_skip(fc) -> None:  # MP120
     if fc.of("skip_check"):
         return  # the scale is read back: the code can tell a skipped step
     for sched in fc.of("sched_step"):
-        if not sched.loops:
-            continue
-        loop = sched.loops[-1]
+        # the same iteration: the innermost loop around both, or no loop at all (a step
+        # function a framework calls once per batch: run_step, training_step)
+        loop = sched.loops[-1] if sched.loops else None
         steps = [
             s for s in fc.of("scaler_step")
-            if fc.live(s.scaler) and s.loops and s.loops[-1] == loop and s.order < sched.order
+            if fc.live(s.scaler) and (s.loops[-1] if s.loops else None) == loop and s.order < sched.order
             and not exclusive_either(s, sched) and not opposite_arms(s, sched)
         ]
         steps = [s for s in steps if _drives(fc, sched, s, loop)]
