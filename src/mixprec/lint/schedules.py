@@ -3,16 +3,17 @@
 ``scaler.step(optimizer)`` skips the optimizer's step when the gradients hold inf/NaN; a
 ``scheduler.step()`` after it in the same iteration (the innermost loop around the scaler's
 step, or a step function with no loop, which a framework calls once per batch) advances the
-schedule anyway. Not reported when the function reads the scale back to tell
-a skipped step (``scaler.get_scale()``), and reported once per file: it is worth knowing, rarely
-worth more than a few steps of schedule (severity "info").
+schedule anyway. Not reported when the function reads the scale back between the step and
+the scheduler (``scaler.get_scale()``) or the scheduler runs under a test of a skip (``if not
+skip_scheduler:``). Reported once per file: it is worth knowing, rarely worth more than a few
+steps of schedule (severity "info").
 """
 
 from __future__ import annotations
 
 import ast
 
-from mixprec.lint.events import exclusive_either, opposite_arms, place, show
+from mixprec.lint.events import Branch, exclusive_either, opposite_arms, place, show
 from mixprec.lint.events import via as _via
 from mixprec.lint.names import key_of
 
@@ -30,10 +31,17 @@ def _drives(fc, sched, step, loop) -> bool:
     return len(stepped) == 1
 
 
+def _tells_skip(test: ast.expr) -> bool:
+    words = [n.id for n in ast.walk(test) if isinstance(n, ast.Name)] + [
+        n.attr for n in ast.walk(test) if isinstance(n, ast.Attribute)]
+    return any("skip" in w.lower() or w == "get_scale" for w in words)
+
+
 def scheduler_after_skip(fc) -> None:  # MP120
-    if fc.of("skip_check"):
-        return  # the scale is read back: the code can tell a skipped step
+    checks = fc.of("skip_check")
     for sched in fc.of("sched_step"):
+        if any(isinstance(p, Branch) and p.test is not None and _tells_skip(p.test) for p in sched.path):
+            continue  # ``if not skip_scheduler: scheduler.step()``
         # the same iteration: the innermost loop around both, or no loop at all (a step
         # function a framework calls once per batch: run_step, training_step)
         loop = sched.loops[-1] if sched.loops else None
@@ -43,6 +51,8 @@ def scheduler_after_skip(fc) -> None:  # MP120
             and not exclusive_either(s, sched) and not opposite_arms(s, sched)
         ]
         steps = [s for s in steps if _drives(fc, sched, s, loop)]
+        # the scale read back between the step and the scheduler: the code can tell a skipped step
+        steps = [s for s in steps if not any(s.order < c.order < sched.order for c in checks)]
         if steps:
             step = steps[-1]
             fc.hit(

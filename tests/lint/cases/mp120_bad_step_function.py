@@ -20,3 +20,4 @@ class Solver:
         if self.lr_scheduler:
             self.lr_scheduler.step()  # expect: MP120
         self.optimizer.zero_grad()
+        return {"grad_scale": self.scaler.get_scale()}  # read for logging, after the scheduler
