@@ -95,6 +95,13 @@ def _mp201_true(root: Path, finding) -> bool:
     imported = set()
     for match in re.finditer(r"from\s+torch\.(?:cuda|cpu)\.amp(?:\.\w+)?\s+import\s+\(?([\w\s,]+)\)?", text):
         imported.update(w.split(" as ")[-1].strip() for w in match.group(1).split(","))
+    modules = set()  # from torch.cuda import amp; import torch.cuda.amp as amp
+    for match in re.finditer(r"from\s+torch\s*\.\s*(?:cuda|cpu)\s+import\s+amp(?:\s+as\s+(\w+))?", text):
+        modules.add(match.group(1) or "amp")
+    for match in re.finditer(r"import\s+torch\.(?:cuda|cpu)\.amp\s+as\s+(\w+)", text):
+        modules.add(match.group(1))
+    if any(re.search(rf"\b{re.escape(m)}\s*\.", line) for m in modules):
+        return True
     return any(re.search(rf"\b{re.escape(name)}\b", line) for name in imported if name)
 
 

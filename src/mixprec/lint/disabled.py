@@ -7,9 +7,10 @@ region already computed. Reported when, in one function:
   enables a 16-bit autocast (or may: ``enabled=amp``);
 * inside it, a library loss (``F.l1_loss``, an ``nn.MSELoss()`` of the file...) or a torch op that
   CUDA autocast would run in fp32 (``exp``, ``log``, ``softmax``, ``pow``...) is called on a name
-  bound inside the outer region, before the inner one, to the result of a call (a forward, a
-  transform of one), and that name is not upcast first (``x.float()``, ``x.to(torch.float32)``,
-  ``x.double()``), neither in the call nor in the region before it.
+  bound earlier in the function, inside an enabled 16-bit region (this one or an earlier one),
+  to the result of a call (a forward, a transform of one, ``.half()``), and not bound again
+  outside a region since; and that name is not upcast first (``x.float()``,
+  ``x.to(torch.float32)``, ``x.double()``), neither in the call nor in the region before it.
 
 Calls of the project's own functions are not judged (they may upcast inside, as VITS's losses
 do), nor names the outer region did not compute.
@@ -77,19 +78,26 @@ class _Disabled:
                 return ast.unparse(func)
         return None
 
-    def check(self, outer: ast.With, inner: ast.With) -> list[Hit]:
-        # names the outer region bound from a call before the inner region starts
+    def check(self, inner: ast.With, regions: list[ast.With]) -> list[Hit]:
+        """``inner``: a region that disables autocast inside an enabled one; ``regions``: the
+        function's enabled 16-bit regions."""
+        # names bound, before ``inner``, inside an enabled region to the result of a call (and
+        # not bound again outside one since): the values that are 16-bit when ``inner`` starts
+        owner = self.script.owner(inner)
+        spans = [(w.lineno, w.end_lineno) for w in regions]
+        assigns = sorted(
+            (n for n in self.script.nodes if isinstance(n, ast.Assign) and n.lineno < inner.lineno
+             and self.script.owner(n) is owner),
+            key=lambda n: (n.lineno, n.col_offset),
+        )
         computed: dict[str, ast.AST] = {}
-        for node in _body_nodes(outer.body):
-            if isinstance(node, ast.Assign) and node.lineno < inner.lineno and not (
-                inner.lineno <= node.lineno <= inner.end_lineno
-            ):
-                names = [n.id for t in node.targets for n in ast.walk(t) if isinstance(n, ast.Name)]
-                for name in names:
-                    if isinstance(node.value, ast.Call) and not _upcast(node.value):
-                        computed[name] = node
-                    else:
-                        computed.pop(name, None)
+        for node in assigns:
+            inside = any(a <= node.lineno <= b for a, b in spans)
+            for name in (n.id for t in node.targets for n in ast.walk(t) if isinstance(n, ast.Name)):
+                if inside and isinstance(node.value, ast.Call) and not _upcast(node.value):
+                    computed[name] = node
+                else:
+                    computed.pop(name, None)
         upcast_here = set()
         hits = []
         for stmt in inner.body:
@@ -128,12 +136,11 @@ def disabled_hits(script: Script) -> list[Hit]:  # MP117
         region = regions[id(inner)]
         if region is None or region.enabled is not False:
             continue
-        outers = [
+        enabled = [
             w for w in withs
-            if w is not inner and w.lineno < inner.lineno <= w.end_lineno and regions[id(w)] is not None
-            and regions[id(w)].enabled is not False and regions[id(w)].dtype not in ("fp32", "fp64")
-            and script.owner(w) is script.owner(inner)
+            if regions[id(w)] is not None and regions[id(w)].enabled is not False
+            and regions[id(w)].dtype not in ("fp32", "fp64") and script.owner(w) is script.owner(inner)
         ]
-        if outers:
-            hits.extend(checker.check(max(outers, key=lambda w: w.lineno), inner))
+        if any(w.lineno < inner.lineno <= w.end_lineno for w in enabled):  # nested in an enabled region
+            hits.extend(checker.check(inner, enabled))
     return hits
