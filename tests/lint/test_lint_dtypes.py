@@ -130,3 +130,21 @@ def test_a_bf16_or_fp32_choice_with_no_scaler_is_clean():
             opt.step()
     """
     assert found(source, "MP107", "MP108") == []
+
+
+def test_a_scaler_on_the_autocasts_own_switch_runs_whatever_dtype_another_flag_chose():
+    # so-vits-svc: fp16_run turns both on; half_type picks bf16 or fp16 for the autocast
+    source = """
+    import torch
+
+    def train(hps, net, loader, optim):
+        scaler = torch.amp.GradScaler("cuda", enabled=hps.train.fp16_run)
+        half_type = torch.bfloat16 if hps.train.half_type == "bf16" else torch.float16
+        for x, y in loader:
+            with torch.autocast("cuda", enabled=hps.train.fp16_run, dtype=half_type):
+                loss = net(x, y)
+            scaler.scale(loss).backward()
+            scaler.step(optim)
+            scaler.update()
+    """
+    assert [h[:2] for h in found(source, "MP107")] == [(10, "MP107")]

@@ -151,3 +151,20 @@ def test_a_pretrained_model_loaded_in_a_run_time_16_bit_dtype_and_trained_is_rep
     found = lint_source(textwrap.dedent(source))
     assert [(f.line, f.code) for f in found] == [(5, "MP106")]
     assert "when load_dtype is 16-bit" in found[0].message
+
+
+def test_parameters_returned_by_a_helper_are_the_models():
+    source = """
+    import torch
+    from torch.optim import Adam
+
+    def get_trainable_params(model):
+        return [params for params in model.parameters() if params.requires_grad]
+
+    dalle = DALLE(vae=vae)
+    if args.fp16:
+        dalle = dalle.half()
+    dalle = dalle.cuda()
+    opt = Adam(get_trainable_params(dalle), lr=3e-4)
+    """
+    assert codes(source) == [(10, "MP106")]

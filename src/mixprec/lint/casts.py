@@ -179,17 +179,61 @@ class HalfModels:
         if any(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in _COPIES for n in ast.walk(expr)):
             return found  # [p.detach().clone().float() for p in model.parameters()]: fp32 masters, not the model's
         for node in ast.walk(expr):
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
-                if node.func.attr in ("parameters", "named_parameters"):
-                    k = key_of(node.func.value)
-                    if k is not None:
-                        found.append((k, conditions(self.script, node, stop=expr)))
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+                    node.func.attr in ("parameters", "named_parameters"):
+                k = key_of(node.func.value)
+                if k is not None:
+                    found.append((k, conditions(self.script, node, stop=expr)))
+            elif isinstance(node, ast.Call):  # get_trainable_params(model): a helper returning its parameters
+                for k in self._call_args(node, self._returned_params(node)):
+                    found.append((k, conditions(self.script, node, stop=expr)))
             elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
                 for value in values(self.script, node) or []:
                     if value is not expr:
                         facts = conditions(self.script, value) | conditions(self.script, node, stop=expr)
                         found.extend((k, f | facts) for k, f in self._models(value, at, depth + 1))
         return found
+
+    def _returned_params(self, call: ast.Call) -> frozenset[str]:
+        """The parameters of the function ``call`` calls whose ``.parameters()`` it returns."""
+        found = definition_of(self.script, call)
+        if found is None:
+            return frozenset()
+        func, home = found
+        project = self.script.project
+        memo = project.memo if project is not None else {}
+        key = ("returns-parameters", id(func))
+        if key not in memo:
+            names = {p.arg for p in (*func.args.posonlyargs, *func.args.args)}
+            out = set()
+            for node in ast.walk(func):
+                if isinstance(node, ast.Return) and node.value is not None:
+                    for n in ast.walk(node.value):
+                        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and \
+                                n.func.attr in ("parameters", "named_parameters"):
+                            root = (key_of(n.func.value) or "").split(".")[0]
+                            if root in names:
+                                out.add(root)
+            memo[key] = frozenset(out)
+        return memo[key]
+
+    def _call_args(self, call: ast.Call, wanted: frozenset[str]) -> set[str]:
+        """Keys of the arguments ``call`` passes for the parameters ``wanted`` of its callee."""
+        if not wanted:
+            return set()
+        func, _ = definition_of(self.script, call)
+        names = [p.arg for p in (*func.args.posonlyargs, *func.args.args)]
+        out = set()
+        for index, name in enumerate(names):
+            if name not in wanted:
+                continue
+            arg = next((kw.value for kw in call.keywords if kw.arg == name), None)
+            if arg is None and index < len(call.args):
+                arg = call.args[index]
+            k = key_of(arg) if arg is not None else None
+            if k is not None:
+                out.add(k)
+        return out
 
     def _builder(self, call: ast.Call) -> set[str]:
         """Keys of the models whose parameters a function of the file or project, called here,
@@ -203,19 +247,7 @@ class HalfModels:
         key = ("optimizer-builder", id(func))
         if key not in memo:
             memo[key] = _builder_params(home, func)
-        positions = memo[key]
-        out = set()
-        names = [p.arg for p in (*func.args.posonlyargs, *func.args.args)]
-        for index, name in enumerate(names):
-            if name not in positions:
-                continue
-            arg = next((kw.value for kw in call.keywords if kw.arg == name), None)
-            if arg is None and index < len(call.args):
-                arg = call.args[index]
-            k = key_of(arg) if arg is not None else None
-            if k is not None:
-                out.add(k)
-        return out
+        return self._call_args(call, memo[key])
 
     # --- the rule --------------------------------------------------------------------------
 

@@ -226,7 +226,8 @@ class Flow:
             if func.attr == "step" and self.is_optimizer(frame, local):
                 self._emit("opt_step", call, frame, ctx, path, target=self._remember(frame, local))
                 return
-            if func.attr == "step" and local and any(w in local.rsplit(".", 1)[-1].lower() for w in _SCHEDULER_WORDS):
+            if func.attr == "step" and local and any(w in local.rsplit(".", 1)[-1].lower() for w in _SCHEDULER_WORDS) \
+                    and not call.args:  # step(val_loss), step(epoch): a plateau or epoch schedule, not per step
                 self._emit("sched_step", call, frame, ctx, path, target=self._remember(frame, local))
                 return
         qualname = script.qualname(func)

@@ -126,7 +126,10 @@ def _scaler_with_bf16(fc, regions: list[Event], scaled: list[Event]) -> None:
             if switches is None:
                 continue  # not built where we can see how it is switched
             said = _words(switches)
-            if said & words or any(_FP16_WORDS.search(w) for w in said):
+            # the autocast's own on/off switch: the scaler is on whenever the autocast is, whatever
+            # dtype the other flag chose (GradScaler(enabled=fp16_run) and autocast(enabled=fp16_run, dtype=half))
+            follows = autocast.switch is not None and any(ast.dump(autocast.switch) == ast.dump(s) for s in switches)
+            if said & words or (any(_FP16_WORDS.search(w) for w in said) and not follows):
                 continue  # enabled from the dtype choice (or an fp16 flag): the right way
             text = ast.unparse(autocast.dtype_arg) if autocast.dtype_arg is not None else "the dtype"
             fc.hit("MP107", place(back, region),

@@ -20,13 +20,14 @@ from mixprec.lint.names import key_of
 
 def _drives(fc, sched, step, loop) -> bool:
     """Whether ``sched`` may schedule the optimizer ``step`` steps: built over it (when its
-    construction is seen), else the only optimizer stepped in the loop."""
+    construction names an optimizer), else the only optimizer stepped in the loop."""
     home, local = fc.origins.get(sched.target, (fc.script, sched.target))
-    built = home.assigns.get(local, []) if local else []
-    over = {key_of(v.args[0]) for v in built if isinstance(v, ast.Call) and v.args}
-    if over and None not in over:
+    built = [v for v in (home.assigns.get(local, []) if local else []) if isinstance(v, ast.Call)]
+    named = {key_of(a) for v in built for a in (*v.args, *(kw.value for kw in v.keywords))} - {None}
+    optimizers = {k for k in named if home.is_optimizer(k)}
+    if optimizers:  # LambdaLR(optimizer, ...), get_scheduler(cfg, optimizer, steps)
         _, target = fc.origins.get(step.target, (None, step.target))
-        return target in over or show(step.target) in over
+        return target in optimizers or show(step.target) in optimizers
     stepped = {e.target for e in (*fc.of("opt_step"), *fc.of("scaler_step")) if loop is None or loop in e.path}
     return len(stepped) == 1
 

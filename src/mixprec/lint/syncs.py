@@ -4,8 +4,9 @@
 the device for each parameter tensor, every step. Found in any loop whose body turns
 ``isfinite``/``isnan``/``isinf`` of the loop variable's ``.grad`` into a Python value: an
 ``if``/``while``/``assert`` test, a conditional expression, ``.item()``, ``bool()``, ``float()``,
-``int()``. A loop in an ``except`` block (a diagnosis after an overflow) does not run every
-step and is left alone. A check that stays a tensor (``flags.append(torch.isfinite(p.grad).all())``, then one
+``int()``; and ``any(...)`` / ``all(...)`` over a generator of such checks. A loop in an
+``except`` block (a diagnosis after an overflow) or under an ``if`` on a ``%`` (a logging round)
+does not run every step and is left alone. A check that stays a tensor (``flags.append(torch.isfinite(p.grad).all())``, then one
 ``torch.stack(flags).all()`` after the loop) is not reported.
 """
 
@@ -47,11 +48,14 @@ def _grad_check(node: ast.AST, targets: set[str]) -> ast.Call | None:
     return None
 
 
-def _in_handler(script: Script, node: ast.AST) -> bool:
-    """Inside an ``except`` block: runs after a failure, not every step."""
+def _occasional(script: Script, node: ast.AST) -> bool:
+    """Inside an ``except`` block (runs after a failure) or under an ``if`` on a ``%`` (every
+    n-th step, a logging round): not every step."""
     current = script.parent(node)
     while current is not None and not isinstance(current, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Module)):
         if isinstance(current, ast.ExceptHandler):
+            return True
+        if isinstance(current, ast.If) and any(isinstance(n, ast.BinOp) and isinstance(n.op, ast.Mod) for n in ast.walk(current.test)):
             return True
         current = script.parent(current)
     return False
@@ -60,7 +64,15 @@ def _in_handler(script: Script, node: ast.AST) -> bool:
 def sync_hits(script: Script) -> list[Hit]:  # MP119
     hits = []
     for loop in script.nodes:
-        if not isinstance(loop, (ast.For, ast.AsyncFor)) or _in_handler(script, loop):
+        if isinstance(loop, ast.Call) and getattr(loop.func, "id", "") in ("any", "all") and loop.args \
+                and isinstance(loop.args[0], ast.GeneratorExp) and not _occasional(script, loop):
+            gen = loop.args[0]  # any(not torch.isfinite(p.grad).all() for p in params): a sync per element
+            targets = {n.id for c in gen.generators for n in ast.walk(c.target) if isinstance(n, ast.Name)}
+            found = _grad_check(gen.elt, targets)
+            if found is not None:
+                hits.append(_hit(found))
+            continue
+        if not isinstance(loop, (ast.For, ast.AsyncFor)) or _occasional(script, loop):
             continue
         targets = {n.id for n in ast.walk(loop.target) if isinstance(n, ast.Name)}
         found = None
@@ -83,9 +95,13 @@ def sync_hits(script: Script) -> list[Hit]:  # MP119
             if found:
                 break
         if found is not None:
-            hits.append(Hit(
-                "MP119", found,
-                f"{ast.unparse(found)} is read on the host once per parameter: a device sync for every tensor, "
-                f"every step; check all gradients at once (one sync) or leave it to the GradScaler",
-            ))
+            hits.append(_hit(found))
     return hits
+
+
+def _hit(found: ast.Call) -> Hit:
+    return Hit(
+        "MP119", found,
+        f"{ast.unparse(found)} is read on the host once per parameter: a device sync for every tensor, "
+        f"every step; check all gradients at once (one sync) or leave it to the GradScaler",
+    )
