@@ -103,10 +103,17 @@ def callee(call: ast.Call, frame: Frame):
     that ``flow`` can follow; None when it cannot see the callee, and for a generator (a
     ``@contextmanager``'s body does not run at the call)."""
     found = _callee(call, frame)
-    return None if found is None or _generator(found[0]) else found
+    if found is None:
+        return None
+    project = frame.script.project
+    memo = project.memo if project is not None else {}
+    key = ("generator", id(found[0]))
+    if key not in memo:  # asked once per def, whatever calls it
+        memo[key] = _yields(found[0])
+    return None if memo[key] else found
 
 
-def _generator(func) -> bool:
+def _yields(func) -> bool:
     todo = list(func.body)
     while todo:
         node = todo.pop()
