@@ -48,3 +48,22 @@ def test_a_readme_lint_command_runs_from_a_clone_with_the_exit_status_it_promise
     assert code in (0, 1), out
     if status is not None:
         assert code == status, out
+
+
+DOC = (ROOT / "docs" / "lint.md").read_text()
+DOC_COMMANDS = _commands(DOC)
+
+
+@pytest.mark.parametrize("argv, status", DOC_COMMANDS, ids=[" ".join(a) for a, _ in DOC_COMMANDS])
+def test_a_docs_lint_command_runs_from_a_clone(argv, status, monkeypatch, capsys):
+    monkeypatch.chdir(ROOT)
+    assert main(argv) == 1  # the example shows a finding
+    out = capsys.readouterr().out
+    assert "MP101 gradients clipped while still scaled" in out
+
+
+def test_the_docs_rule_table_lists_every_rule():
+    from mixprec.lint import RULES
+
+    listed = set(re.findall(r"^\| (MP\d{3}) \| ([a-z][a-z0-9-]+) \|", DOC, flags=re.M))
+    assert listed == {(r.code, r.name) for r in RULES.values()}
