@@ -12,6 +12,7 @@ holds, per repository, the real traps found by reading the code (``traps``: path
     python benchmarks/lint_corpus.py extract --mirror /work/.mirror --corpus /work/lintcorpus/src
     python benchmarks/lint_corpus.py measure --corpus /work/lintcorpus/src [--split heldout]
     python benchmarks/lint_corpus.py findings --corpus /work/lintcorpus/src --repo ultralytics/yolov5
+    python benchmarks/lint_corpus.py timing --corpus /work/lintcorpus/src
 
 ``measure`` prints per rule and split: findings, true / false positives, precision, traps and
 caught traps, recall; the time of each repository (CPU and wall seconds, files); and writes
@@ -95,6 +96,13 @@ def _mp201_true(root: Path, finding) -> bool:
     imported = set()
     for match in re.finditer(r"from\s+torch\.(?:cuda|cpu)\.amp(?:\.\w+)?\s+import\s+\(?([\w\s,]+)\)?", text):
         imported.update(w.split(" as ")[-1].strip() for w in match.group(1).split(","))
+    modules = set()  # from torch.cuda import amp; import torch.cuda.amp as amp
+    for match in re.finditer(r"from\s+torch\s*\.\s*(?:cuda|cpu)\s+import\s+amp(?:\s+as\s+(\w+))?", text):
+        modules.add(match.group(1) or "amp")
+    for match in re.finditer(r"import\s+torch\.(?:cuda|cpu)\.amp\s+as\s+(\w+)", text):
+        modules.add(match.group(1))
+    if any(re.search(rf"\b{re.escape(m)}\s*\.", line) for m in modules):
+        return True
     return any(re.search(rf"\b{re.escape(name)}\b", line) for name in imported if name)
 
 
@@ -212,6 +220,55 @@ def measure(corpus: Path, split: str, out: Path | None) -> int:
     return 0
 
 
+def timing(corpus: Path, rounds: int, out: Path) -> int:
+    """``mixprec lint <repo>`` as a user runs it (a fresh interpreter, imports included), for
+    the corpus's repositories of 40 to 60 files and for the 50 largest files of the largest
+    repository; median wall and CPU seconds over ``rounds`` interleaved rounds."""
+    import resource
+    import shutil
+    import statistics
+    import tempfile
+
+    targets = []
+    for entry in _entries():
+        root = corpus / _local(entry["repo"])
+        files = sorted(root.rglob("*.py"))
+        if 40 <= len(files) <= 60:
+            targets.append((entry["repo"], root, len(files)))
+    biggest = max(_entries(), key=lambda e: sum(p.stat().st_size for p in (corpus / _local(e["repo"])).rglob("*.py")))
+    root = corpus / _local(biggest["repo"])
+    largest = sorted(root.rglob("*.py"), key=lambda p: -p.stat().st_size)[:50]
+    scratch = Path(tempfile.mkdtemp(prefix="lint_timing_"))
+    for path in largest:  # the same files, the same layout (imports still resolve between them)
+        target = scratch / path.relative_to(root)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(path, target)
+    targets.append((f"{biggest['repo']} (50 largest files)", scratch, 50))
+    env = {**os.environ, "PYTHONPATH": str(HERE.parent / "src")}
+    code = "import sys; from mixprec.cli import main; sys.exit(main(['lint', '--format', 'concise', sys.argv[1]]))"
+    samples: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for _ in range(rounds):
+        for name, path, _n in targets:
+            before = resource.getrusage(resource.RUSAGE_CHILDREN)
+            start = time.perf_counter()
+            subprocess.run([sys.executable, "-c", code, str(path)], env=env, capture_output=True, check=False)
+            wall = time.perf_counter() - start
+            after = resource.getrusage(resource.RUSAGE_CHILDREN)
+            samples[name].append((wall, after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime))
+    shutil.rmtree(scratch, ignore_errors=True)
+    rows = []
+    print(f"{'repository':60} {'files':>5} {'wall s':>7} {'CPU s':>7}   (median of {rounds}; load {os.getloadavg()})")
+    for name, path, n in targets:
+        wall = statistics.median(w for w, _ in samples[name])
+        cpu = statistics.median(c for _, c in samples[name])
+        rows.append({"repo": name, "files": n, "wall_s": round(wall, 2), "cpu_s": round(cpu, 2)})
+        print(f"{name:60} {n:5} {wall:7.2f} {cpu:7.2f}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"rounds": rounds, "load": os.getloadavg(), "rows": rows}, indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
 def findings(corpus: Path, repo: str) -> int:
     for entry in _entries(repo=repo):
         root, result, wall, cpu = lint_repo(corpus, entry)
@@ -231,6 +288,10 @@ def main(argv=None) -> int:
     p.add_argument("--corpus", type=Path, required=True)
     p.add_argument("--split", default="all", choices=["all", "tune", "heldout"])
     p.add_argument("--json", type=Path, default=RESULTS)
+    p = sub.add_parser("timing")
+    p.add_argument("--corpus", type=Path, required=True)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--json", type=Path, default=HERE / "results" / "lint_timing.json")
     p = sub.add_parser("findings")
     p.add_argument("--corpus", type=Path, required=True)
     p.add_argument("--repo", required=True)
@@ -240,6 +301,8 @@ def main(argv=None) -> int:
         return 0
     if args.command == "measure":
         return measure(args.corpus, args.split, args.json)
+    if args.command == "timing":
+        return timing(args.corpus, args.rounds, args.json)
     return findings(args.corpus, args.repo)
 
 

@@ -226,3 +226,36 @@ def test_output_piped_into_a_reader_that_stops_early_exits_quietly(tmp_path, fmt
     assert first
     assert stderr == ""
     assert process.returncode == 1  # findings were found, as without the pipe
+
+
+SCHEDULER_AFTER_STEP = textwrap.dedent(
+    """\
+    import torch
+    scaler = torch.amp.GradScaler("cuda")
+    for x, y in loader:
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = model(x, y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        sched.step()
+    """
+)
+
+
+def test_an_info_note_is_printed_but_does_not_fail_the_run(project, capsys):
+    (project / "train.py").write_text(SCHEDULER_AFTER_STEP)
+    assert main(["lint", "train.py", "--format", "concise"]) == 0
+    out = capsys.readouterr().out
+    assert "train.py:9:5: MP120 (info) sched.step() runs even when scaler.step()" in out
+    assert "no problems in 1 file, 1 note (info)" in out
+    assert main(["lint", "train.py", "--format", "json"]) == 0
+    (finding,) = json.loads(capsys.readouterr().out)
+    assert finding["code"] == "MP120" and finding["severity"] == "info"
+
+
+def test_a_problem_next_to_a_note_still_fails_the_run(project, capsys):
+    (project / "train.py").write_text(SCHEDULER_AFTER_STEP.replace("scaler.scale(loss).backward()\n",
+                                                                   "scaler.scale(loss).backward()\n    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)\n"))
+    assert main(["lint", "train.py", "--format", "concise"]) == 1
+    assert "1 problem in 1 file, 1 note (info)" in capsys.readouterr().out

@@ -127,3 +127,91 @@ def test_two_plain_updates_in_one_step_are_still_reported():
         scaler.update()
     """
     assert codes(source, "MP105") == [(10, "MP105")]
+
+
+def test_a_direct_step_in_the_arm_where_scaling_is_off_is_not_a_bypass_across_a_helper():
+    # composer's trainer: the helper scales (or not) on a flag, the caller steps on the same flag
+    source = """
+    import torch
+
+    class Trainer:
+        def _train_microbatches(self, microbatches, use_grad_scaling):
+            for mb in microbatches:
+                loss = self.model(mb)
+                if use_grad_scaling:
+                    self.scaler.scale(loss).backward()
+                else:
+                    loss.backward()
+            if use_grad_scaling:
+                for optimizer in self.optimizers:
+                    self.scaler.unscale_(optimizer)
+
+        def train_batch(self, batch):
+            use_grad_scaling = self._use_grad_scaling(self.precision, self.scaler)
+            self._train_microbatches(batch, use_grad_scaling)
+            for optimizer in self.optimizers:
+                if use_grad_scaling:
+                    self.scaler.step(optimizer)
+                else:
+                    optimizer.step()
+            self.scaler.update()
+    """
+    assert codes(source) == []
+
+
+SCHEDULED = """
+import torch
+
+def run_train(model, loader, optimizer, scheduler, scaler, accum):
+    for it, batch in enumerate(loader):
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = model(batch)
+        scaler.scale(loss).backward()
+        if it % accum == 0:
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+        {scheduler_step}
+
+def main(cfg, model, loader):
+    optimizer = get_optimizer(model, cfg)
+    scheduler = get_scheduler(cfg, optimizer, 100)
+    run_train(model, loader, optimizer, scheduler, torch.amp.GradScaler("cuda"), 4)
+"""
+
+
+def test_a_scheduler_built_by_a_factory_over_the_optimizer_is_judged_by_that_optimizer():
+    found = codes(SCHEDULED.format(scheduler_step="scheduler.step()"), "MP120")
+    assert found == [(13, "MP120")]
+
+
+def test_a_scheduler_stepped_on_a_metric_or_an_epoch_is_not_a_per_step_schedule():
+    assert codes(SCHEDULED.format(scheduler_step="scheduler.step(val_score)"), "MP120") == []
+
+
+def test_per_parameter_checks_in_an_occasional_logging_round_are_not_a_per_step_sync():
+    source = """
+    import torch
+
+    def train(model, loader, optimizer, every):
+        for step, batch in enumerate(loader):
+            model(batch).backward()
+            optimizer.step()
+            if step % every == 0:
+                for name, value in model.named_parameters():
+                    if not (torch.isinf(value.grad) | torch.isnan(value.grad)).any():
+                        log(name, value.grad)
+    """
+    assert codes(source, "MP119") == []
+
+
+def test_any_over_a_generator_of_gradient_checks_syncs_once_per_parameter():
+    source = """
+    import torch
+
+    def optimize_fp16(self):
+        if any(not torch.isfinite(p.grad).all() for p in self.model_params):
+            self.lg_loss_scale -= 1
+            return
+    """
+    assert codes(source, "MP119") == [(5, "MP119")]

@@ -183,7 +183,8 @@ def test_step_on_things_that_are_not_optimizers_is_not_a_bypass(receiver):
     scaler.update()
     {receiver}.step()
     """
-    assert codes(source) == []
+    # a scheduler stepped after scaler.step() is MP120's note (info), not a bypass
+    assert [c for c in codes(source) if c[1] != "MP120"] == []
 
 
 def test_exclusive_branches_are_not_two_updates():
@@ -641,7 +642,8 @@ def test_unscale_per_micro_batch_through_a_helper_is_reported_at_the_call():
                 scaler.step(opt)
                 scaler.update()
     """
-    assert codes(source) == [(12, "MP114")]
+    # the clip in the helper runs on every micro-batch too (MP118)
+    assert codes(source) == [(12, "MP114"), (12, "MP118")]
 
 
 def test_a_checkpoint_saved_twice_is_reported_once_and_each_dict_once():

@@ -24,6 +24,7 @@ import ast
 from mixprec.lint.bindings import Bindings, ScopeBindings, _walk_scope
 from mixprec.lint.names import Script, key_of
 from mixprec.lint.report import Hit
+from mixprec.lint.savers import checkpointer_without_scaler, definition_of, mentions_scaler, saves_in
 
 _READ_ONLY = frozenset({"get", "keys", "values", "items", "copy"})
 _HARMLESS = frozenset({"print", "len", "isinstance", "repr", "str", "id", "type", "dict", "sorted", "list"})
@@ -122,19 +123,71 @@ class Checkpoints:
             helper = self._helper(call)
             if helper is not None:
                 helpers[id(helper[0])] = helper[1:]
-        if helpers:
-            for call in script.calls:
-                callee = self._callee(call)
-                if callee is None or id(callee) not in helpers:
-                    continue
+        for call in script.calls:
+            callee = self._callee(call)
+            if callee is not None and id(callee) in helpers:
                 name, position, keyword = helpers[id(callee)]
-                arg = next((kw.value for kw in call.keywords if keyword and kw.arg == keyword), None)
-                if arg is None and position is not None and position < len(call.args):
-                    if not any(isinstance(a, ast.Starred) for a in call.args[: position + 1]):
-                        arg = call.args[position]
-                if arg is not None:
-                    out.append((call, arg, name))
+            else:
+                helper = self._project_helper(call)
+                if helper is None:
+                    continue
+                name, position, keyword = helper
+            arg = next((kw.value for kw in call.keywords if keyword and kw.arg == keyword), None)
+            if arg is None and position is not None and position < len(call.args):
+                if not any(isinstance(a, ast.Starred) for a in call.args[: position + 1]):
+                    arg = call.args[position]
+            if arg is not None:
+                out.append((call, arg, name))
         return out
+
+    def _memo(self, kind: str, node: ast.AST, make):
+        project = self.script.project
+        if project is None:
+            return make()
+        key = (kind, id(node))
+        if key not in project.memo:
+            project.memo[key] = make()
+        return project.memo[key]
+
+    def _project_helper(self, call: ast.Call):
+        """(name, position, keyword) when ``call`` calls a save helper of another file."""
+        found = definition_of(self.script, call)
+        if found is None or found[1] is self.script:
+            return None
+        func, home = found
+
+        def make():
+            other = Checkpoints(home)
+            for save in saves_in(home, func):
+                helper = other._helper(save)
+                if helper is not None and helper[0] is func:
+                    return helper[1:]
+            return None
+
+        return self._memo("save-helper", func, make)
+
+    def _writer(self, call: ast.Call) -> str | None:
+        """The name of the function ``call`` calls when it is a checkpoint writer (see
+        ``savers``): it saves a dict it builds with model and optimizer state, and no scaler."""
+        found = definition_of(self.script, call)
+        if found is None:
+            return None
+        func, home = found
+
+        def make():
+            if mentions_scaler(home, func):
+                return None
+            other = Checkpoints(home) if home is not self.script else self
+            for save in saves_in(home, func):
+                saved = save.args[0]
+                if isinstance(saved, ast.Name) and saved.id in _params(func):
+                    return None  # a save helper: its caller's dict is judged instead
+                dicts = other.resolve(saved)
+                if dicts and all(_lacks_scaler_state(home, d) for d in dicts):
+                    return func.name
+            return None
+
+        return self._memo("writer", func, make)
 
     def _helper(self, save: ast.Call):
         """(def, name, position at its call sites, keyword) when ``save`` is ``torch.save(p, ...)``
@@ -289,20 +342,40 @@ class Checkpoints:
             for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
             if isinstance(t, ast.Subscript)
         }
-        uses: dict[str, list[ast.Call]] = {}  # scaler -> calls of its methods
-        for k, call in method_calls(script, ""):
-            uses.setdefault(k, []).append(call)
+        uses: dict[str, list[ast.AST]] = {}  # scaler -> where it is named: its methods, passed, built
+        for node in script.nodes:
+            if isinstance(node, (ast.Name, ast.Attribute)) and isinstance(node.ctx, ast.Load):
+                k = key_of(node)
+                if k in live:
+                    uses.setdefault(k, []).append(node)
+        for k, sites in script.scaler_sites.items():
+            uses.setdefault(k, []).extend(sites)
         saves = self.saves()
         save_ids = {id(call) for call, _, _ in saves}
         hits, reported = [], set()
-        for call, saved, helper in saves:
-            in_scope = [
+
+        def in_scope(call):
+            return [
                 k
                 for k in live
                 if any(script.owner(site) is None for site in script.scaler_sites.get(k, []))  # a script's global
                 or any(script.same_scope(call, use, k) for use in uses.get(k, []))
             ]
-            if not in_scope:
+
+        for call in script.calls:  # a project function that writes its own checkpoint dict, a checkpointer
+            holders = in_scope(call) if id(call) not in save_ids else []
+            if not holders or any(mentions_scaler(script, a) for a in (*call.args, *(kw.value for kw in call.keywords))):
+                continue
+            writer = self._writer(call)
+            if writer is not None:
+                hits.append(Hit("MP111", call, f"checkpoint written by {writer}() has model and optimizer state but "
+                                               f"not {sorted(holders)[0]}.state_dict(): pass the scaler's state too"))
+            elif checkpointer_without_scaler(script, call):
+                hits.append(Hit("MP111", call, f"checkpointer saves the model and the optimizer but not "
+                                               f"{sorted(holders)[0]}: add it to the objects it saves"))
+        for call, saved, helper in saves:
+            holders = in_scope(call)
+            if not holders:
                 continue
             if not isinstance(saved, ast.Name) and key_of(saved) in mutated_attrs:
                 continue
@@ -317,7 +390,7 @@ class Checkpoints:
             if seen in reported:
                 continue  # the same dict saved again (last.pt, best.pt): reported at its first save
             reported.add(seen)
-            scaler = sorted(in_scope)[0]
+            scaler = sorted(holders)[0]
             via = f" (saved by {helper}())" if helper else ""
             hits.append(Hit("MP111", call, f"checkpoint saves model and optimizer state but not {scaler}.state_dict(){via}"))
         return hits

@@ -7,53 +7,24 @@ or a scaler is handed to code that cannot be read, the rule does not report.
 from __future__ import annotations
 
 import ast
-import bisect
 from collections import defaultdict
 
+from mixprec.lint.casts import half_model_hits
 from mixprec.lint.checkpoints import checkpoint_hits, method_calls
 from mixprec.lint.coverage import coverage_hits
-from mixprec.lint.events import Branch, Event, Region, exclusive, exclusive_either, opposite_arms, show, unrelated
+from mixprec.lint.events import (
+    Branch, Event, before as _before, between as _between, exclusive, opposite_arms, place,
+    show, via as _via,
+)
+from mixprec.lint import precision
+from mixprec.lint.accumulation import Accumulation
+from mixprec.lint.disabled import disabled_hits
 from mixprec.lint.flow import Flow
-from mixprec.lint.dtypes import one_dtype
-from mixprec.lint.names import Script, argument, key_of, last
+from mixprec.lint.names import Script, key_of, last
 from mixprec.lint.report import Hit
+from mixprec.lint.schedules import scheduler_after_skip
+from mixprec.lint.syncs import sync_hits
 
-_STRATEGY_LIBS = frozenset({"apex", "mixprec", "deepspeed"})  # own master weights / step order
-
-
-def place(event: Event, *others: Event | Region) -> ast.AST | None:
-    """Where to report a finding about ``event`` that also involves ``others``.
-
-    None when everything involved happened inside one call to a helper in this file: the
-    helper's own analysis reports it there, once.
-    """
-    sites = {event.site, *(o.site for o in others)}
-    if event.site is None:
-        return event.node
-    if None in sites or len(sites) > 1:
-        return event.site
-    return None
-
-
-def _via(event: Event) -> str:
-    return f" (in {ast.unparse(event.site.func)}())" if event.site is not None else ""
-
-
-def _before(events: list[Event], later: Event) -> Event | None:
-    """The last of ``events`` (in order) that runs before ``later`` in the same pass."""
-    for e in reversed(events[: bisect.bisect_left(events, later.order, key=_order)]):
-        if not exclusive(e, later):
-            return e
-    return None
-
-
-def _between(events: list[Event], first: Event, later: Event) -> list[Event]:
-    """The ``events`` (in order) strictly between ``first`` and ``later``."""
-    return events[bisect.bisect_right(events, first.order, key=_order) : bisect.bisect_left(events, later.order, key=_order)]
-
-
-def _order(event: Event) -> int:
-    return event.order
 
 
 class FunctionChecks:
@@ -101,9 +72,10 @@ class FunctionChecks:
             self.step_twice,
             self.precision_and_scaler,
             self.step_on_unscaled,
-            self.unscale_per_micro_batch,
         ):
             check()
+        Accumulation(self).run()  # MP114, MP116, MP118
+        scheduler_after_skip(self)  # MP120
         return self.hits
 
     def scaled_backward_before(self, event: Event) -> Event | None:
@@ -153,6 +125,10 @@ class FunctionChecks:
                 continue
             if any(isinstance(p, Branch) and p.guard and p not in back.path for p in step.path):
                 continue  # a hand-written inf check decides the step
+            if opposite_arms(back, step):
+                continue  # ``if use_scaler: ...backward()`` then ``if use_scaler: ... else: opt.step()``
+            if any(s.target == step.target and _other_arm(s, step) for s in self.of("scaler_step")):
+                continue  # ``if scaling: scaler.step(opt) else: opt.step()``: the direct step is the unscaled path
             unscaled = [u for u in _between(self.of("unscale", back.scaler), back, step) if not exclusive(u, step)]
             if unscaled:  # the gradients have the right size, but nothing skips an inf/NaN step
                 what = (
@@ -246,39 +222,7 @@ class FunctionChecks:
                 )
 
     def precision_and_scaler(self) -> None:  # MP107, MP108
-        regions = [e for e in self.of("autocast") if e.ctx[-1].autocast.enabled is not False]
-        dtypes = {e.ctx[-1].autocast.dtype for e in regions}
-        backs = self.of("backward")
-        scaled = [b for b in backs if b.loss == "scaled" and self.live(b.scaler)]
-        if regions and dtypes == {"bf16"}:
-            for back in scaled:
-                if self.scaler_enabled(back.scaler) is True:
-                    self.hit(
-                        "MP107",
-                        place(back, *regions),
-                        f"GradScaler {show(back.scaler)} used with bf16 autocast, which needs no loss scaling{_via(back)}",
-                    )
-                    break
-        # a region run without gradients (an evaluation under torch.no_grad()) feeds no backward()
-        fp16 = [e for e in regions if e.ctx[-1].autocast.dtype == "fp16" and not self._without_grad(e)]
-        plain = [b for b in backs if b.loss == "plain" or (b.loss == "scaled" and not self.live(b.scaler))]
-        scaler_used = scaled or any(e.kind in ("scaler_step", "unscale", "update", "escape") for e in self.events)
-        # a region and a backward() that cannot run in one pass (``if amp:`` ... ``else:``) are no pair
-        pairs = (
-            (r, b)
-            for r in fp16
-            for b in plain
-            if not (exclusive(r, b) if r.order < b.order else exclusive(b, r)) and not opposite_arms(r, b)
-        )
-        pair = None if scaler_used else next(pairs, None)
-        if pair is not None:
-            region, back = pair
-            self.hit(
-                "MP108",
-                place(region, back),
-                f"float16 autocast with no GradScaler: backward() on line "
-                f"{(back.site or back.node).lineno} runs on an unscaled loss{_via(region)}",
-            )
+        precision.check(self)
 
     def _without_grad(self, e: Event) -> bool:
         """The event, or the call in the analysed function that led to it, runs with grads off."""
@@ -300,77 +244,13 @@ class FunctionChecks:
             )
 
 
-    def unscale_per_micro_batch(self) -> None:  # MP114
-        """``scaler.unscale_(opt)`` on every iteration of a micro-batch loop (a backward() on
-        every iteration too) while ``update()`` runs only at the accumulation boundary (an ``if``
-        on the loop's counter) or after the loop: the second micro-batch raises."""
-        jumps_in, backs_in = defaultdict(list), defaultdict(list)  # loop -> its jumps / backward()s
-        for kind, index in (("jump", jumps_in), ("backward", backs_in)):
-            for e in self.of(kind):
-                for lp in e.loops:
-                    index[lp].append(e)
-        for unscale in self.of("unscale"):
-            if not self.live(unscale.scaler):
-                continue
-            root = (unscale.target or "").split(".")[0]
-            loops = [lp for lp in unscale.loops if root not in lp.targets]  # not a loop over optimizers
-            if not loops:
-                continue
-            loop = loops[-1]
-            if _at_boundary(unscale.path, loop):
-                continue  # unscaled only on the iterations that step
-            if any(j.order < unscale.order for j in jumps_in.get(loop, ())):
-                continue  # an early continue/return: what follows may run only at the boundary
-            if not any(not _at_boundary(b.path, loop) for b in backs_in.get(loop, ())):
-                continue
-            updates = self.of("update", unscale.scaler)
-            inside = [u for u in updates if loop in u.path and not exclusive_either(unscale, u)]
-            if inside:
-                if not all(_at_boundary(u.path, loop) for u in inside):
-                    continue
-                update, where = inside[0], "only at the accumulation boundary"
-            else:
-                after = [u for u in updates if u.order > unscale.order and not exclusive_either(unscale, u)]
-                steps = [e for e in self.of("scaler_step", unscale.scaler) if loop in e.path]
-                if not after or steps or any(loop in u.path for u in updates):
-                    continue
-                update, where = after[0], "after the micro-batch loop"
-            self.hit(
-                "MP114",
-                place(unscale, update),
-                f"{show(unscale.scaler)}.unscale_({show(unscale.target)}) on every micro-batch, but {show(unscale.scaler)}.update() "
-                f"runs {where} (line {(update.site or update.node).lineno}): the second micro-batch raises "
-                f"RuntimeError{_via(unscale)}",
-            )
-
-
-def _at_boundary(path: tuple, loop) -> bool:
-    """Whether ``path`` passes, inside ``loop``, an ``if`` that holds only on some iterations
-    of it: a test on the loop's counter (``(i + 1) % accum == 0``, ``ni - last >= accumulate``)."""
-    inside = path[path.index(loop) + 1 :] if loop in path else ()
-    return any(isinstance(p, Branch) and p.test is not None and _boundary_test(p.test, loop) for p in inside)
-
-
-_BOUNDARY_WORDS = ("accum", "boundary", "sync", "step", "update")
-
-
-def _boundary_test(test: ast.expr, loop) -> bool:
-    """A test that changes from one iteration of ``loop`` to the next: a ``%`` of a name, a
-    comparison of a name the loop rebinds, or such a name alone when it reads like a step flag
-    (``should_step``, ``is_accumulation_boundary``). No calls other than len()."""
-    for node in ast.walk(test):
-        if isinstance(node, ast.Call) and not (isinstance(node.func, ast.Name) and node.func.id == "len"):
-            return False
-    names = {n.id for n in ast.walk(test) if isinstance(n, ast.Name)}
-    varying = names & loop.varying
-    for node in ast.walk(test):
-        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mod):
-            if any(isinstance(n, (ast.Name, ast.Attribute)) for n in ast.walk(node)):
-                return True
-        if isinstance(node, ast.Compare) and {n.id for n in ast.walk(node) if isinstance(n, ast.Name)} & loop.varying:
-            return True
-    bare = test.operand if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not) else test
-    return isinstance(bare, ast.Name) and bool(varying) and any(w in bare.id.lower() for w in _BOUNDARY_WORDS)
+def _other_arm(a: Event, b: Event) -> bool:
+    """Whether ``a`` and ``b`` sit in two arms of one ``if`` (in one frame)."""
+    for pa, pb in zip(a.path, b.path):
+        if pa == pb:
+            continue
+        return isinstance(pa, Branch) and isinstance(pb, Branch) and pa.node_id == pb.node_id and pa.frame == pb.frame
+    return False
 
 
 def _may_reach(escape: Event, scaler: str | None) -> bool:
@@ -381,7 +261,10 @@ def _may_reach(escape: Event, scaler: str | None) -> bool:
 
 
 def file_checks(script: Script) -> list[Hit]:
-    return [*_update_never_called(script), *_half_model(script), *checkpoint_hits(script), *coverage_hits(script)]
+    return [
+        *_update_never_called(script), *half_model_hits(script), *checkpoint_hits(script), *coverage_hits(script),
+        *disabled_hits(script), *sync_hits(script),
+    ]
 
 
 def _update_never_called(script: Script) -> list[Hit]:  # MP104 (the whole-file half)
@@ -421,67 +304,13 @@ def _received(script: Script, node: ast.AST, k: str) -> bool:
     return root in params and root not in ("self", "cls")
 
 
-def _cast_16(script: Script, node: ast.AST) -> ast.Call | None:
-    """The call in a method chain like ``Net().to(dev).half()`` that casts to fp16/bf16."""
-    while isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
-        method = node.func.attr
-        if method in ("half", "bfloat16") and not node.args:
-            return node
-        if method == "from_pretrained":  # Hugging Face: from_pretrained(..., torch_dtype=torch.bfloat16)
-            if any(kw.arg in ("torch_dtype", "dtype") and one_dtype(script, kw.value) in ("fp16", "bf16") for kw in node.keywords):
-                return node
-        if method in ("to", "type"):
-            dtypes = [one_dtype(script, a) for a in node.args] + [
-                one_dtype(script, kw.value) for kw in node.keywords if kw.arg == "dtype"
-            ]
-            if any(d in ("fp16", "bf16") for d in dtypes):
-                return node
-        node = node.func.value
-    return None
-
-
-def _half_model(script: Script) -> list[Hit]:  # MP106
-    if script.imported_roots & _STRATEGY_LIBS:
-        return []
-    casts: list[tuple[str, ast.Call]] = []
-    for node in script.nodes:
-        if isinstance(node, ast.Expr):  # model.half(), model.to(dev).half(): modules cast in place
-            cast = _cast_16(script, node.value)
-            root = cast.func.value if cast is not None else None
-            while isinstance(root, ast.Call) and isinstance(root.func, ast.Attribute):
-                root = root.func.value
-            k = key_of(root)
-        elif isinstance(node, ast.Assign) and len(node.targets) == 1:
-            cast = _cast_16(script, node.value)
-            k = key_of(node.targets[0])
-        else:
-            continue
-        # A model rebound after the cast (get_peft_model, a wrapper) may train other parameters.
-        if cast is not None and k is not None and not any(
-            v.lineno > cast.lineno and script.same_scope(v, cast, k) for v in script.assigns.get(k, [])
-        ):
-            casts.append((k, cast))
-    trained: dict[str, list[ast.Call]] = {}  # model key -> torch.optim constructions over its parameters
-    for call in script.calls:
-        # torch.optim only: other libraries ship optimizers made for 16-bit weights (Kahan
-        # summation, stochastic rounding), which are the fix, not the trap.
-        if (script.qualname(call.func) or "").startswith("torch.optim."):
-            params = argument(call, 0, "params")
-            for node in ast.walk(params) if params is not None else ():
-                if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
-                    if node.func.attr in ("parameters", "named_parameters"):
-                        trained.setdefault(key_of(node.func.value), []).append(call)
-    return [
-        Hit("MP106", cast, f"{k} is cast to 16 bits and its parameters are given to the optimizer: no fp32 master weights")
-        for k, cast in sorted(casts, key=lambda kc: kc[1].lineno)
-        if any(script.same_scope(cast, opt, k) for opt in trained.get(k, []))
-    ]
-
-
 def check(script: Script) -> list[Hit]:
     """All MP1xx hits of a file, each place reported once."""
     hits = file_checks(script)
-    if script.scaler_keys or script.uses_autocast:  # else no event rule can fire: skip the walk
+    walk = script.scaler_keys or script.uses_autocast or any(
+        isinstance(c.func, ast.Attribute) and c.func.attr in ("backward", "autocast") for c in script.calls
+    )
+    if walk:  # else no event rule can fire: skip the walk
         flow = Flow(script)
         bodies = [script.tree] + [f for defs in (*script.functions.values(), *script.methods.values()) for f in defs]
         for body in bodies:
@@ -489,4 +318,5 @@ def check(script: Script) -> list[Hit]:
     unique: dict[tuple, Hit] = {}
     for h in hits:
         unique.setdefault((h.code, h.node.lineno, h.node.col_offset), h)
-    return list(unique.values())
+    notes = sorted((h for h in unique.values() if h.code == "MP120"), key=lambda h: h.node.lineno)
+    return [h for h in unique.values() if h.code != "MP120"] + notes[:1]  # MP120: once per file

@@ -15,8 +15,11 @@ DESCRIPTION = (
     "traps in them: clipping before unscale_, backward() in autocast, a step that bypasses\n"
     "the GradScaler, a 16-bit model without fp32 master weights, deprecated torch.cuda.amp...\n\n"
     "Rules:\n"
-    + "\n".join(f"  {r.code}  {r.name}{'  (fixable)' if r.fixable else ''}" for r in RULES.values())
-    + "\n\nExit status: 0 nothing found, 1 problems found, 2 usage or config error.\n"
+    + "\n".join(
+        f"  {r.code}  {r.name}{'  (fixable)' if r.fixable else ''}{'  (info)' if r.severity == 'info' else ''}"
+        for r in RULES.values()
+    )
+    + "\n\nExit status: 0 nothing found (or only info notes), 1 problems found, 2 usage or config error.\n"
     "Silence one line with '# noqa: MP101'; configure in [tool.mixprec.lint] of pyproject.toml."
 )
 
@@ -93,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
         return 2 if empty and code == 0 else code
     except BrokenPipeError:  # the reader went away (``mixprec lint . | head``): stop quietly
         _silence_stdout()
-        return 1 if result.findings else 0
+        return 1 if _problems(result) else 0
 
 
 def _silence_stdout() -> None:
@@ -106,10 +109,15 @@ def _silence_stdout() -> None:
         pass
 
 
+def _problems(result) -> list:
+    """The findings that fail the run: every one but the info notes."""
+    return [f for f in result.findings if f.severity != "info"]
+
+
 def _report(args: argparse.Namespace, result) -> int:
     if args.format == "json":
         print(json.dumps([f.as_dict() for f in result.findings], indent=2))
-        return 1 if result.findings else 0
+        return 1 if _problems(result) else 0
     for path, count in result.fixed.items():
         print(f"{path}: fixed {count} problem{'s' if count != 1 else ''}")
     for finding in result.findings:
@@ -117,12 +125,15 @@ def _report(args: argparse.Namespace, result) -> int:
         if args.format == "text":
             rule = RULES[finding.code]
             print(f"    why: {rule.why}\n    fix: {rule.fix}")
-    n, files = len(result.findings), result.files_with_findings
+    problems = _problems(result)
+    notes = len(result.findings) - len(problems)
+    noted = f", {notes} note{'s' if notes != 1 else ''} (info)" if notes else ""
+    n, files = len(problems), len({f.path for f in problems})
     if n:
         fixable = sum(f.fixable for f in result.findings)
         hint = f" ({fixable} fixable with --fix)" if fixable and not args.fix else ""
         checked = f" ({result.files} checked)" if result.files != files else ""
-        print(f"{n} problem{'s' if n != 1 else ''} in {files} file{'s' if files != 1 else ''}{checked}{hint}")
+        print(f"{n} problem{'s' if n != 1 else ''} in {files} file{'s' if files != 1 else ''}{checked}{hint}{noted}")
         return 1
-    print(f"no problems in {result.files} file{'s' if result.files != 1 else ''}")
+    print(f"no problems in {result.files} file{'s' if result.files != 1 else ''}{noted}")
     return 0

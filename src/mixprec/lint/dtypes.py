@@ -42,6 +42,7 @@ class Autocast:
     device: str | None = None
     dtypes: frozenset | None = field(default=None, compare=False)
     switch: ast.expr | None = field(default=None, compare=False, hash=False)
+    dtype_arg: ast.expr | None = field(default=None, compare=False, hash=False)  # the dtype as written
 
 
 def values(script, node: ast.AST) -> list[ast.expr] | None:
@@ -143,7 +144,7 @@ def _from_call(script, node, spec, args, keywords) -> Autocast:
     enabled = script.constant(enabled_arg, True)
     enabled = enabled if isinstance(enabled, bool) else None
     single = next(iter(found)) if found is not None and len(found) == 1 else None
-    return Autocast(node, single, enabled, device, found, enabled_arg if enabled is None else None)
+    return Autocast(node, single, enabled, device, found, enabled_arg if enabled is None else None, dtype_arg)
 
 
 def _factory(script, call: ast.Call, depth: int) -> Autocast | None:
@@ -220,8 +221,10 @@ def _combine(node, arms: list[Autocast | None], switch) -> Autocast:
     devices = {a.device for a in on}
     single = next(iter(found)) if found is not None and len(found) == 1 else None
     switches = [a.switch for a in on if a.switch is not None]
+    written = [a.dtype_arg for a in on if a.dtype_arg is not None]
     return Autocast(node, single, state, devices.pop() if len(devices) == 1 else None, found,
-                    switch if switch is not None else (switches[0] if switches else None))
+                    switch if switch is not None else (switches[0] if switches else None),
+                    written[0] if written else None)
 
 
 def _no_op(script, node: ast.AST) -> bool:

@@ -19,7 +19,7 @@ from mixprec.lint.checks import check
 from mixprec.lint.deprecated import deprecated_hits
 from mixprec.lint.fixes import Source, apply_edits
 from mixprec.lint.workspace import Project
-from mixprec.lint.report import Finding, Hit
+from mixprec.lint.report import Finding
 from mixprec.lint.rules import RULES
 
 SKIP_DIRS = frozenset({".venv", "venv", "build", "dist", "__pycache__", "node_modules"})

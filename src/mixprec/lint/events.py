@@ -11,6 +11,7 @@ are not taken for one object, and ``show`` drops it for messages.
 from __future__ import annotations
 
 import ast
+import bisect
 import re
 from dataclasses import dataclass, field
 
@@ -137,3 +138,38 @@ def unrelated(a: Event, a_key: str | None, b: Event, b_key: str | None) -> bool:
     steps, not one."""
     fa, fb = frame_of(a_key), frame_of(b_key)
     return fa is not None and fb is not None and fa not in b.frames and fb not in a.frames
+
+
+def place(event: Event, *others: Event | Region) -> ast.AST | None:
+    """Where to report a finding about ``event`` that also involves ``others``.
+
+    None when everything involved happened inside one call to a helper: the helper's own
+    analysis reports it there, once.
+    """
+    sites = {event.site, *(o.site for o in others)}
+    if event.site is None:
+        return event.node
+    if None in sites or len(sites) > 1:
+        return event.site
+    return None
+
+
+def via(event: Event) -> str:
+    return f" (in {ast.unparse(event.site.func)}())" if event.site is not None else ""
+
+
+def before(events: list[Event], later: Event) -> Event | None:
+    """The last of ``events`` (in order) that runs before ``later`` in the same pass."""
+    for e in reversed(events[: bisect.bisect_left(events, later.order, key=_order)]):
+        if not exclusive(e, later):
+            return e
+    return None
+
+
+def between(events: list[Event], first: Event, later: Event) -> list[Event]:
+    """The ``events`` (in order) strictly between ``first`` and ``later``."""
+    return events[bisect.bisect_right(events, first.order, key=_order) : bisect.bisect_left(events, later.order, key=_order)]
+
+
+def _order(event: Event) -> int:
+    return event.order

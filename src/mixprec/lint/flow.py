@@ -8,7 +8,7 @@ module's top level) statement by statement and records the calls that matter as 
     backward, clip, unscale, scaler_step, update, opt_step, sched_step, autocast (entering a
     region), loss_call (a sensitive custom loss), escape (a scaler handed to code we cannot
     see), jump (a continue, break or return: what follows it may not run on every iteration),
-    skip_check (the scale read back after a step, to see whether it was skipped)
+    skip_check (the scale read back after a step, to see whether it was skipped), zero_grad
 
 A call the walk can see into is followed (inlined, three levels deep), with its parameters bound
 to the caller's arguments, so a loop split across functions reads as one step: a function of
@@ -90,15 +90,16 @@ class Flow:
         return mapped
 
     def _autocast(self, frame: Frame, expr: ast.expr):
+        """(the autocast ``with expr`` enters or None, whether it came from a caller's argument)."""
         found = autocast_of(frame.script, expr)
         if found is not None or frame.parent is None:
-            return found
+            return found, False
         target = expr.func if isinstance(expr, ast.Call) else expr
         k = key_of(target)
         if k is None or k.partition(".")[0] not in frame.binding:
-            return None
+            return None, False
         home, local = frame.origin(k)  # ``amp_autocast`` passed in by the caller
-        return autocast_for_key(home, local, expr)
+        return autocast_for_key(home, local, expr), True
 
     # --- statements ------------------------------------------------------------------------
 
@@ -113,9 +114,10 @@ class Flow:
             inner = ctx
             for item in stmt.items:
                 self._expr(item.context_expr, frame, inner, path)
-                autocast = self._autocast(frame, item.context_expr)
+                autocast, inherited = self._autocast(frame, item.context_expr)
                 if autocast is not None:
-                    inner = inner + (Region(autocast, frame.site),)
+                    # a factory the caller passed in: the helper alone cannot see the region
+                    inner = inner + (Region(autocast, None if inherited else frame.site),)
                     self._emit("autocast", item.context_expr, frame, inner, path)
             self._block(stmt.body, frame, inner, path)
         elif isinstance(stmt, ast.If):
@@ -218,10 +220,14 @@ class Flow:
                     receiver = self._remember(frame, local)
                     self._emit(kinds[func.attr], call, frame, ctx, path, scaler=receiver, target=self._remember(frame, first))
                 return
+            if func.attr == "zero_grad":
+                self._emit("zero_grad", call, frame, ctx, path, target=self._remember(frame, local))
+                return
             if func.attr == "step" and self.is_optimizer(frame, local):
                 self._emit("opt_step", call, frame, ctx, path, target=self._remember(frame, local))
                 return
-            if func.attr == "step" and local and any(w in local.rsplit(".", 1)[-1].lower() for w in _SCHEDULER_WORDS):
+            if func.attr == "step" and local and any(w in local.rsplit(".", 1)[-1].lower() for w in _SCHEDULER_WORDS) \
+                    and not call.args:  # step(val_loss), step(epoch): a plateau or epoch schedule, not per step
                 self._emit("sched_step", call, frame, ctx, path, target=self._remember(frame, local))
                 return
         qualname = script.qualname(func)

@@ -100,7 +100,31 @@ def params(func) -> list[str]:
 
 def callee(call: ast.Call, frame: Frame):
     """(def, its Script, key of the object bound to ``self`` in the caller or None) for a call
-    that ``flow`` can follow; None when it cannot see the callee."""
+    that ``flow`` can follow; None when it cannot see the callee, and for a generator (a
+    ``@contextmanager``'s body does not run at the call)."""
+    found = _callee(call, frame)
+    if found is None:
+        return None
+    project = frame.script.project
+    memo = project.memo if project is not None else {}
+    key = ("generator", id(found[0]))
+    if key not in memo:  # asked once per def, whatever calls it
+        memo[key] = _yields(found[0])
+    return None if memo[key] else found
+
+
+def _yields(func) -> bool:
+    todo = list(func.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.Yield, ast.YieldFrom)):
+            return True
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+            todo.extend(ast.iter_child_nodes(node))
+    return False
+
+
+def _callee(call: ast.Call, frame: Frame):
     script, func = frame.script, call.func
     if isinstance(func, ast.Name) and func.id not in script.aliases and func.id not in script.relative:
         defs = script.functions.get(func.id, [])

@@ -106,6 +106,8 @@ class Script:
         self._classdefs: list[ast.ClassDef] = []
         # ``from .x import y as z``: z -> (level, "x", "y"); ``from . import m``: m -> (1, None, "m")
         self.relative: dict[str, tuple[int, str | None, str]] = {}
+        self._parents: dict[int, ast.AST] | None = None
+        self._scope_stores: dict[int, dict[str, int]] = {}
         self.path = None  # the file, when known (set by the engine); the project resolves imports from it
         self.project = None  # the workspace.Project the file is linted in, or None
         for name, target in (star_aliases or {}).items():  # the file's own imports override these
@@ -272,6 +274,7 @@ class Script:
         names and attributes the file binds at most once, constants, comparisons and
         and/or/not; ``not x`` and ``x is not None`` give the key of ``x`` / ``x is None`` with
         the opposite polarity. None for anything else (a call, a subscript, a name rebound)."""
+        original = test
         test, positive = normalized_test(test)
         for node in ast.walk(test):
             if isinstance(node, (ast.Name, ast.Attribute)):
@@ -279,13 +282,32 @@ class Script:
                 if k is None:
                     return None
                 parts = k.split(".")
-                if any(self._stores.get(".".join(parts[:i]), 0) > 1 for i in range(1, len(parts) + 1)):
+                if self._local_stores(original).get(parts[0], 0) > 1:
+                    return None  # a local name rebound in its function
+                if any(self._stores.get(".".join(parts[:i]), 0) > 1 for i in range(2, len(parts) + 1)):
                     return None
             elif not isinstance(
                 node, (ast.Constant, ast.Compare, ast.BoolOp, ast.UnaryOp, ast.expr_context, ast.boolop, ast.cmpop, ast.unaryop)
             ):
                 return None
         return ast.dump(test), positive
+
+    def _local_stores(self, node: ast.AST) -> dict[str, int]:
+        """name -> how many times the function around ``node`` (or the module's top level)
+        binds it, nested functions left out."""
+        owner = self.owner(node)
+        found = self._scope_stores.get(id(owner))
+        if found is None:
+            found = self._scope_stores[id(owner)] = {}
+            todo = list((owner or self.tree).body)
+            while todo:
+                current = todo.pop()
+                if isinstance(current, ast.Name) and isinstance(current.ctx, (ast.Store, ast.Del)):
+                    found[current.id] = found.get(current.id, 0) + 1
+                for child in ast.iter_child_nodes(current):
+                    if not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+                        todo.append(child)
+        return found
 
     def is_optimizer_class(self, func: ast.AST) -> bool:
         q = self.qualname(func) or ""
@@ -307,6 +329,12 @@ class Script:
     def scaler_enabled(self, k: str | None) -> bool | None:
         """True/False when every construction of ``k`` says so literally; None otherwise."""
         return self.scaler_enabled_by_key.get(k) if k else None
+
+    def parent(self, node: ast.AST) -> ast.AST | None:
+        """The node ``node`` is a child of (the map is built on the first question)."""
+        if self._parents is None:
+            self._parents = {id(c): n for n in self.nodes for c in ast.iter_child_nodes(n)}
+        return self._parents.get(id(node))
 
     def store_count(self, k: str) -> int:
         """How many times the file binds (or deletes) ``k``: assignments, loop targets, ``as`` names..."""

@@ -41,9 +41,15 @@ class Finding:
     def name(self) -> str:
         return RULES[self.code].name
 
+    @property
+    def severity(self) -> str:
+        """"error" (a trap: exit status 1) or "info" (worth knowing; does not fail the run)."""
+        return RULES[self.code].severity
+
     def as_text(self) -> str:
-        return f"{self.path}:{self.line}:{self.col}: {self.code} {self.message}"
+        note = " (info)" if self.severity == "info" else ""
+        return f"{self.path}:{self.line}:{self.col}: {self.code}{note} {self.message}"
 
     def as_dict(self) -> dict:
         rule = RULES[self.code]
-        return {**asdict(self), "name": rule.name, "why": rule.why, "fix": rule.fix}
+        return {**asdict(self), "name": rule.name, "why": rule.why, "fix": rule.fix, "severity": rule.severity}

@@ -16,6 +16,7 @@ class Rule:
     why: str
     fix: str
     fixable: bool = False
+    severity: str = "error"  # "error": a trap; "info": worth knowing, not a failure (exit status 0)
 
 
 RULES: dict[str, Rule] = {
@@ -184,6 +185,66 @@ RULES: dict[str, Rule] = {
             "model enables autocast itself), and a GradScaler beside it scales fp32 gradients.",
             "Put the model's forward inside the autocast region with the loss: "
             "with torch.autocast(...): out = model(x); loss = criterion(out, y).",
+        ),
+        Rule(
+            "MP116",
+            "update-per-micro-batch",
+            "GradScaler.update() sets the next scale from the inf checks that scaler.step() (or "
+            "unscale_()) recorded since the last update(). Under gradient accumulation, an update() "
+            "on every micro-batch while step() runs only at the accumulation boundary finds no inf "
+            "check on the micro-batches in between and raises AssertionError ('No inf checks were "
+            "recorded prior to update.'); with several optimizers stepping at different boundaries "
+            "it grows and backs off the scale on the wrong steps.",
+            "Call scaler.update() in the same `if` as scaler.step(), once per optimizer step, after "
+            "the last scaler.step() of that step.",
+        ),
+        Rule(
+            "MP117",
+            "autocast-disabled-without-upcast",
+            "torch.autocast(enabled=False) stops autocast from casting the ops inside it; it does "
+            "not convert tensors that are already 16-bit. Values computed under the enclosing "
+            "autocast (a forward's output) stay fp16/bf16 there, and the ops meant to run in fp32 "
+            "(a loss, exp, log, a norm) run in 16 bits instead: an fp16 exp overflows above 11.1, "
+            "and a loss that autocast would have run in fp32 (l1_loss, mse_loss: on its fp32 list) "
+            "now runs in fp16.",
+            "Upcast the inputs inside the region: with torch.autocast(device, enabled=False): "
+            "loss = criterion(out.float(), target.float()).",
+        ),
+        Rule(
+            "MP118",
+            "clip-per-micro-batch",
+            "Under gradient accumulation the gradients of one optimizer step are summed over the "
+            "micro-batches; clipping inside the micro-batch loop clips each partial sum, so the "
+            "step sees the sum of clipped partial sums instead of the clipped total: the update's "
+            "size depends on how many micro-batches there are and on where in the sum a large "
+            "gradient came, and with a GradScaler the partial sums are still scaled.",
+            "Clip once per optimizer step, at the accumulation boundary, after the last "
+            "backward() (and after scaler.unscale_(optimizer)) and before the step.",
+        ),
+        Rule(
+            "MP119",
+            "per-parameter-sync",
+            "A Python `if` (or .item(), bool(), assert) on a tensor waits for the device and copies "
+            "the value to the host. Checking torch.isfinite(p.grad).all() parameter by parameter "
+            "does that once per tensor, every step: hundreds of host-device round trips that stall "
+            "the GPU's queue (a GradScaler, or mp.step, checks every gradient without a sync).",
+            "Check all gradients at once, with one sync: "
+            "torch.stack([torch.isfinite(p.grad).all() for p in params]).all(), or "
+            "torch._foreach_norm(grads); or leave the inf check to the GradScaler / mp.step.",
+        ),
+        Rule(
+            "MP120",
+            "scheduler-after-skipped-step",
+            "When its gradients hold inf/NaN, scaler.step(optimizer) skips the optimizer's step, but "
+            "the learning-rate scheduler stepped right after it advances anyway: each skipped step "
+            "moves the schedule one step ahead of the weights (a few steps at the start of fp16 "
+            "training, while the scale calibrates), and torch warns that lr_scheduler.step() ran "
+            "before optimizer.step(). Reported once per file.",
+            "Step the scheduler only when the optimizer stepped: mp.step(loss, optimizer, "
+            "scheduler=scheduler) does it, or compare the scale around update(): "
+            "before = scaler.get_scale(); scaler.update(); "
+            "if scaler.get_scale() >= before: scheduler.step().",
+            severity="info",
         ),
         Rule(
             "MP201",

@@ -63,6 +63,7 @@ class Project:
         self._texts: dict[Path, str] = {}
         self._files: dict[tuple, Path | None] = {}  # (module, level, importing directory) -> file
         self._found: dict[tuple[int, str], Definition | None] = {}  # (script, dotted name) -> definition
+        self.memo: dict[tuple, object] = {}  # what the rules learned about a project function, once
 
     def for_text(self, text: str, tree: ast.Module, path: str | Path | None) -> Script:
         """The Script of a file being linted: the one already parsed for an import of it when

@@ -5,7 +5,7 @@ import torch
 def step(model, loss, optimizer, scaler):
     scaler.scale(loss).backward()
     scaler.unscale_(optimizer)
-    grads_finite = all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    grads_finite = all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)  # expect: MP119
     if grads_finite:
         optimizer.step()
     scaler.update()

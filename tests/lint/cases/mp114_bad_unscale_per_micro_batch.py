@@ -13,12 +13,12 @@ def pretrain(model, loader, optimizer, scheduler, accum, clip):
             scaler.scale(loss).backward()
             if clip:
                 scaler.unscale_(optimizer)  # expect: MP114
-                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)  # expect: MP118
             if (idx + 1) % accum == 0:
                 scaler.step(optimizer)
                 optimizer.zero_grad()
                 scaler.update()
-                scheduler.step()
+                scheduler.step()  # expect: MP120
         else:  # no accumulation: unscale_, step and update on every batch, correct
             scaler.scale(loss).backward()
             scaler.unscale_(optimizer)
@@ -38,7 +38,7 @@ def distill(student, teacher, loader, optimizer, accumulate):
             loss = kd_loss(student(x), target, y)
         scaler.scale(loss).backward()
         scaler.unscale_(optimizer)  # expect: MP114
-        grad_norm = torch.nn.utils.clip_grad_norm_(student.parameters(), 10.0)
+        grad_norm = torch.nn.utils.clip_grad_norm_(student.parameters(), 10.0)  # expect: MP118
         if i - last_opt_step >= accumulate:
             scaler.step(optimizer)
             scaler.update()
