@@ -10,6 +10,7 @@ process; the FX cache makes later runs faster.)
 from __future__ import annotations
 
 import math
+import os
 import warnings
 
 import pytest
@@ -54,6 +55,11 @@ def _patterns(n_random: int = 200_000, seed: int = 0) -> torch.Tensor:
 
 
 _COMPILED = K.KernelSet("compiled")  # one per module: each kernel compiles once
+# torch 2.13's inductor builds its C++ for the CPU it finds, whatever ATEN_CPU_CAPABILITY says, and
+# can then fail to compile ("'at::vec' has not been declared", seen with =default and =avx2 on an
+# AVX-512 CPU); "auto" falls back to the eager kernels there (with a warning), "compiled" raises.
+compiled_only = pytest.mark.skipif(bool(os.environ.get("ATEN_CPU_CAPABILITY")),
+                                   reason="ATEN_CPU_CAPABILITY is set: inductor's C++ build may fail under it")
 
 
 class _Uncompiled:
@@ -67,7 +73,7 @@ class _Uncompiled:
 
 
 KERNEL_RUNS = [pytest.param(_Uncompiled(), id="kernel-eager"),
-               pytest.param(_COMPILED, id="compiled", marks=pytest.mark.slow)]
+               pytest.param(_COMPILED, id="compiled", marks=[pytest.mark.slow, compiled_only])]
 
 
 @pytest.mark.parametrize("compiled", KERNEL_RUNS)
@@ -144,6 +150,7 @@ def test_the_random_stream_is_uniform_and_its_halves_independent():
 
 
 @pytest.mark.slow
+@compiled_only
 @pytest.mark.parametrize("recipe", ["bf16-true-kahan", "bf16-true-sr", "bf16-true-remainder"])
 def test_training_with_compiled_kernels_is_bitwise_the_eager_run(recipe, monkeypatch):
     def run(mode):
