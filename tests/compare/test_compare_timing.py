@@ -25,7 +25,7 @@ def test_interleaved_timing_rotates_the_order_and_leaves_the_rng_as_it_was():
     real = timing.time_call
 
     def spy(fn, device, repeat=1):
-        order.append(fn)
+        order.append((fn, repeat))
         return real(fn, device, repeat)
 
     timing.time_call, saved = spy, timing.time_call
@@ -34,8 +34,9 @@ def test_interleaved_timing_rotates_the_order_and_leaves_the_rng_as_it_was():
     finally:
         timing.time_call = saved
     assert list(t) == ["fp32", "bf16-mixed", "fp16-mixed"] and all(len(v) == 3 for v in t.values())
-    firsts = [order[i] for i in (0, 3, 6)]
-    assert len(set(map(id, firsts))) == 3  # a different recipe starts each round
+    timed = order[3:]  # (the first three: one step of each, to size the rounds)
+    assert len(timed) == 9 and len({id(fn) for fn, _ in timed[::3]}) == 3  # a different recipe starts each round
+    assert all(r == timed[0][1] > 1 for _, r in timed)  # a step of this tiny model is ms: several per round
     assert torch.equal(torch.random.get_rng_state(), before)
 
 
