@@ -26,6 +26,7 @@ def cache(tmp_path, monkeypatch):
     monkeypatch.delenv(autotune.ENV_MODE, raising=False)
     monkeypatch.setattr(autotune, "_MEMO", {})
     monkeypatch.setattr(autotune, "_WARNED", set())
+    monkeypatch.setattr(autotune, "_load", lambda: 0.5)  # a quiet machine (test_a_busy_machine... is the other case)
     calls = {"compute": 0, "attention": 0}
     speeds = {"bf16_s": 1.0, "fp32_s": 2.0, "low_s": 2.0, "attn_fp32_s": 1.0}
 
@@ -70,6 +71,18 @@ def test_the_measurement_is_cached_per_machine_and_measured_again_elsewhere(cach
     assert calls["compute"] == 3
     entries = json.loads(path.read_text())["entries"]
     assert len(entries) == 3 and any(f"threads {before + 1}" in k for k in entries) and any("torch 9.9.9" in k for k in entries)
+
+
+def test_a_measurement_on_a_busy_machine_is_used_but_not_cached(cache, monkeypatch):
+    path, calls, _ = cache
+    monkeypatch.setattr(autotune, "_load", lambda: 9.5)  # more runnable processes than CPUs
+    r = mixprec.resolve_recipe("auto", "cpu")
+    assert r.name == "bf16-mixed" and "measured on a busy machine (load 9.5" in r.reason and "not cached" in r.reason
+    assert not path.exists()
+    monkeypatch.setattr(autotune, "_MEMO", {})
+    monkeypatch.setattr(autotune, "_load", lambda: 0.5)
+    mixprec.resolve_recipe("auto", "cpu")  # measured again when the machine is quiet, and kept
+    assert calls["compute"] == 2 and path.exists()
 
 
 def test_refresh_measures_again_and_off_measures_nothing(cache, monkeypatch):
@@ -196,6 +209,7 @@ def test_attention_shapes_are_measured_once_per_power_of_two_bucket(cache):
 def test_measurements_really_measure_and_fit_the_cache(tmp_path, monkeypatch):
     monkeypatch.setenv(autotune.ENV_DIR, str(tmp_path))
     monkeypatch.setattr(autotune, "_MEMO", {})
+    monkeypatch.setattr(autotune, "_load", lambda: 0.5)  # cached whatever the load of this machine
     t0 = time.perf_counter()
     res = autotune.measure_compute(torch.device("cpu"))
     sig = ("bfloat16", 1, 2, 2, 32, 32, 16, 16, True, "bool", False, False)

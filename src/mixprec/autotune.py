@@ -19,7 +19,10 @@ capability on CUDA) and by what was measured: another torch, another thread coun
 measures again, it never reuses a number taken elsewhere. Writes go to a temporary file in the same
 directory, then replace the cache (``os.replace``: atomic; a process killed mid-write leaves the old
 file). A file that is not valid JSON, or not this schema, is ignored with one warning (and replaced
-at the next write), never a crash. ``MIXPREC_AUTOTUNE=off`` measures nothing (``auto`` then follows
+at the next write), never a crash. A measurement taken while the machine is busier than it has CPUs
+(the 1-minute load average) decides for that process only and is not cached: on a shared machine
+it may measure the others more than this one. Each arm's time is its fastest of several
+interleaved rounds (interference only adds time). ``MIXPREC_AUTOTUNE=off`` measures nothing (``auto`` then follows
 the CPU's flags and says so in its reason); ``=refresh`` measures again and overwrites.
 """
 
@@ -28,7 +31,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import statistics
 import tempfile
 import time
 import warnings
@@ -140,7 +142,7 @@ def _write(path: Path, entries: dict[str, Any]) -> None:
 
 def lookup(what: str, device: torch.device, measure: Callable[[], dict[str, Any]]) -> tuple[dict[str, Any], str]:
     """The cached result of ``measure`` for ``what`` on this machine, measuring (and caching) it
-    when there is none; and where it came from ("cached" / "measured")."""
+    when there is none; and where it came from ("cached", "measured", or why it was not cached)."""
     path, machine = cache_path(), machine_key(device)
     key = f"{machine} || {what}"
     refresh = mode() == "refresh"
@@ -151,8 +153,12 @@ def lookup(what: str, device: torch.device, measure: Callable[[], dict[str, Any]
         _MEMO[(str(path), machine, what)] = hit
         return hit["result"], "cached"
     result = measure()
-    entry = {"result": result, "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    entry = {"result": result, "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "load": _load()}
     _MEMO[(str(path), machine, what)] = entry
+    if entry["load"] is not None and entry["load"] > (os.cpu_count() or 1):
+        # more runnable processes than CPUs: a number taken now may say more about the others than
+        # about this machine, and a cached one would decide every later run. Used here, not kept.
+        return result, f"measured on a busy machine (load {entry['load']:.1f} on {os.cpu_count()} CPUs), not cached"
     try:
         entries = _read(path)
         entries[key] = entry
@@ -168,13 +174,21 @@ def lookup(what: str, device: torch.device, measure: Callable[[], dict[str, Any]
     return result, "measured"
 
 
+def _load() -> float | None:
+    try:
+        return float(os.getloadavg()[0])
+    except (OSError, AttributeError):  # not on this platform
+        return None
+
+
 # ---------------------------------------------------------------- measurements
 
 
 def _timeit(arms: dict[str, Callable[[], None]], device: torch.device, rounds: int = 9, budget_s: float = 0.5
             ) -> dict[str, float]:
-    """Median seconds per call of each arm, interleaved (the order rotated each round); stops
-    early (3 rounds at least) when the budget is spent."""
+    """The fastest seconds per call of each arm over interleaved rounds (the order rotated each
+    round); stops early (3 rounds at least) when the budget is spent. The minimum, not the
+    median: other processes only ever add time, so the least disturbed round is the truest."""
     names = list(arms)
     for fn in arms.values():  # warm-up: kernels chosen, memory allocated
         fn()
@@ -191,7 +205,7 @@ def _timeit(arms: dict[str, Callable[[], None]], device: torch.device, rounds: i
             times[name].append(time.perf_counter() - t0)
         if r >= 2 and time.perf_counter() - start > budget_s:
             break
-    return {n: statistics.median(v) for n, v in times.items()}
+    return {n: min(v) for n, v in times.items()}
 
 
 def measure_compute(device: torch.device) -> dict[str, Any]:
@@ -269,9 +283,10 @@ def compute_choice(device: torch.device) -> tuple[str, str] | None:
                       lambda: MEASURE["compute"](device))
     gain = res["fp32_s"] / res["bf16_s"]
     choice = "bf16-mixed" if gain >= MIN_GAIN else "fp32"
-    return choice, (f"bf16 autocast {'measured' if how == 'measured' else 'measured earlier'} {gain:.2f}x as fast "
+    where = f"cache: {cache_path()}" if how in ("measured", "cached") else how
+    return choice, (f"bf16 autocast {'measured earlier' if how == 'cached' else 'measured'} {gain:.2f}x as fast "
                     f"as fp32 on a 512x256x1024 linear, forward and backward, at {torch.get_num_threads()} thread(s) "
-                    f"(cache: {cache_path()})")
+                    f"({where})")
 
 
 def attention_choice(sig: tuple, device: torch.device) -> str:
