@@ -68,8 +68,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--width", type=int, default=64, help="hidden size of the Hugging Face models (default 64)")
     p.add_argument("--layers", type=int, default=2, help="their layers (default 2)")
     p.add_argument("--profile", default=None, metavar="FILE", help="write a cProfile of the every-step arm here")
+    p.add_argument("--src", default=None, metavar="DIR",
+                   help="import mixprec from this src/ directory (time another checkout: a before/after)")
     p.add_argument("--json", default=str(RESULTS / "guard_overhead.json"), help="where the results go ('' for none)")
     args = p.parse_args(argv)
+    if args.src:
+        _use_src(args.src)
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -81,12 +85,14 @@ def main(argv: list[str] | None = None) -> dict:
            "args": vars(args), "results": results}
     print(f"\nrecipe {results[0]['recipe']} on {device}, B={args.batch_size} T={args.seq_len}, "
           f"{torch.get_num_threads()} thread(s), {args.rounds} interleaved rounds; ratio = median of per-round "
-          "ratios to no guard (95% CI)")
-    print("| model | size | off ms | " + " | ".join(f"{a} ms | {a} ratio" for a in arms[1:]) + " | hooks on-fault / every-step |")
-    print("|---|---|---|" + "---|---|" * (len(arms) - 1) + "---|")
+          "ratios to no guard (95% CI), wall clock, then this thread's CPU time")
+    print("| model | size | off ms | " + " | ".join(f"{a} ms | {a} ratio | cpu ratio" for a in arms[1:]) + " | hooks |")
+    print("|---|---|---|" + "---|---|---|" * (len(arms) - 1) + "---|")
     for r in results:
         cells = [f"{r['arms'][a]['ms']:.2f} | **{r['arms'][a]['ratio']['median']:.3f}** "
-                 f"({r['arms'][a]['ratio']['ci95_low']:.3f}-{r['arms'][a]['ratio']['ci95_high']:.3f})" for a in arms[1:]]
+                 f"({r['arms'][a]['ratio']['ci95_low']:.3f}-{r['arms'][a]['ratio']['ci95_high']:.3f}) | "
+                 f"{r['arms'][a]['cpu_ratio']['median']:.3f} ({r['arms'][a]['cpu_ratio']['ci95_low']:.3f}-"
+                 f"{r['arms'][a]['cpu_ratio']['ci95_high']:.3f})" for a in arms[1:]]
         hooks = " / ".join(str(r["arms"][a]["hooks"]) for a in arms[1:])
         print(f"| {r['model']} | {r['size']} | {r['arms']['off']['ms']:.2f} | " + " | ".join(cells) + f" | {hooks} |")
     print(f"load after: {out['uptime_after']}")
@@ -95,6 +101,31 @@ def main(argv: list[str] | None = None) -> dict:
         Path(args.json).write_text(json.dumps(out, indent=1))
         print(f"wrote {args.json}")
     return out
+
+
+def _knows_trace() -> bool:
+    import inspect
+
+    from mixprec.diagnostics.guard import NanGuard
+
+    return "trace" in inspect.signature(NanGuard.__init__).parameters
+
+
+def _use_src(src: str) -> None:
+    """Re-import mixprec from ``src`` (this script imported the checkout it sits in)."""
+    global mixprec, hook_count, environment, Summary, interleaved_order, paired_ratio, synchronize, load_task, to_device
+    for name in [m for m in sys.modules if m == "mixprec" or m.startswith("mixprec.")]:
+        del sys.modules[name]
+    sys.path.insert(0, str(Path(src).resolve()))
+    import mixprec as fresh
+
+    if not Path(fresh.__file__).resolve().is_relative_to(Path(src).resolve()):
+        raise SystemExit(f"imported mixprec from {fresh.__file__}, not from {src}")
+    mixprec = fresh
+    from mixprec.diagnostics._trace import hook_count
+    from mixprec.instruments.machine import environment
+    from mixprec.instruments.timing import Summary, interleaved_order, paired_ratio, synchronize
+    from mixprec.tasks import load_task, to_device
 
 
 def run_model(kind: str, arms: list[str], args: argparse.Namespace, device: torch.device) -> dict:
@@ -106,20 +137,22 @@ def run_model(kind: str, arms: list[str], args: argparse.Namespace, device: torc
         model = task.build_model().to(device)
         flag = False if arm == "off" else {"mode": "raise", "trace": arm, "ops": args.ops,
                                            "backward": args.backward, "locate": args.locate}
+        if flag and not _knows_trace():
+            del flag["trace"]  # a checkout from before trace= (--src): its flag guard is the full trace
         mp = mixprec.MixedPrecision(args.recipe, device, nan_guard=flag)
         mp.prepare(model)
         sides[arm] = (model, mp, task.build_optimizer(model.parameters()))
 
-    def step(arm: str, i: int) -> float:
+    def step(arm: str, i: int) -> tuple[float, float]:
         model, mp, opt = sides[arm]
         inputs, targets = to_device(task.get_batch(i), device)
         synchronize(device)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         with mp.autocast():
             loss = task.loss_fn(task.run_forward(model, inputs), targets)
         mp.step(loss, opt, max_grad_norm=task.max_grad_norm)
         synchronize(device)
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, time.thread_time() - c0
 
     for i in range(args.warmup):
         for arm in arms:
@@ -130,24 +163,28 @@ def run_model(kind: str, arms: list[str], args: argparse.Namespace, device: torc
 
         profiler = cProfile.Profile()
     times: dict[str, list[float]] = {a: [] for a in arms}
+    cpu: dict[str, list[float]] = {a: [] for a in arms}  # this thread's CPU time: what other processes' load moves least
     for rnd, arm in interleaved_order(arms, args.rounds):
         if profiler is not None and arm == "every-step":
             profiler.enable()
-        times[arm].append(step(arm, args.warmup + rnd))
+        wall, used = step(arm, args.warmup + rnd)
+        times[arm].append(wall)
+        cpu[arm].append(used)
         if profiler is not None and arm == "every-step":
             profiler.disable()
     if profiler is not None:
         profiler.dump_stats(args.profile)
     res = {"model": kind, "recipe": mixprec.resolve_recipe(args.recipe, device).name,
            "size": f"B{args.batch_size} T{args.seq_len}" + ("" if kind == "builtin" else f" d{args.width} L{args.layers}"),
-           "arms": {}, "samples_s": times}
+           "arms": {}, "samples_s": times, "cpu_samples_s": cpu}
     for arm in arms:
         model, mp, _ = sides[arm]
         res["arms"][arm] = {
             "ms": 1e3 * Summary.of(times[arm]).median, "ratio": paired_ratio(times[arm], times["off"]),
+            "cpu_ratio": paired_ratio(cpu[arm], cpu["off"]),
             "hooks": hook_count(model), "checks": 0 if mp.guard is None else mp.guard.checks,
             "events": 0 if mp.guard is None else len(mp.guard.events),
-            "replays": 0 if mp.guard is None else mp.guard.replays,
+            "replays": getattr(mp.guard, "replays", 0),
         }
     print(f"{kind}: " + ", ".join(f"{a} {res['arms'][a]['ratio']['median']:.3f}" for a in arms[1:]), file=sys.stderr)
     return res

@@ -1,18 +1,21 @@
-"""What the master-weight strategies cost per step on a model of many small tensors.
+"""What the master-weight strategies cost per step: on a model of many small tensors, or on the block.
 
 The storage recipes add work around the optimizer step: 16-bit gradients folded into fp32, the
-fp32 values rebuilt (compact strategies) and written back into 16 bits. That work is per
-tensor in Python unless it is batched, so it shows most on a model of many small tensors: here
-a deep narrow MLP (default 150 Linear(32, 32) layers = 300 tensors). Every recipe trains its own
-copy of the same model; rounds interleave the recipes (the order rotated each round) and the
-ratios against bf16-mixed are formed per round.
+fp32 values rebuilt (compact strategies) and written back into 16 bits. On a model of many small
+tensors (``--model mlp``, the default: 150 Linear(32, 32) layers = 300 tensors) the per-tensor
+Python shows; on the reference transformer block (``--model block``: ``mixprec bench``'s cpu
+shape, d=256, compute-bound) the arithmetic per element does. Every recipe trains its own copy of
+the same model; rounds interleave the recipes (the order rotated each round) and the ratios
+against bf16-mixed and bf16-true are formed per round.
 
-Reports per recipe: median step time, step time / bf16-mixed (median of per-round ratios, with
-a 95% bootstrap interval), and the strategy's own time per step (``after_backward`` +
-``after_step`` + the rebuild and write-back of a step run a bucket at a time, without the
-optimizer's own time), also per tensor.
+Reports per recipe: median step time, step time / bf16-mixed and / bf16-true (median of
+per-round ratios, with a 95% bootstrap interval), and the strategy's own time per step
+(``after_backward`` + ``after_step`` + the rebuild and write-back of a step run a bucket at a time,
+without the optimizer's own time), per tensor and per byte of 16-bit parameter. The machine load
+(``uptime``) is recorded before and after.
 
     python benchmarks/masters_step.py                        # CPU, 1 thread, defaults
+    python benchmarks/masters_step.py --model block --rounds 20 --json benchmarks/results/masters_block.json
     python benchmarks/masters_step.py --layers 400 --width 16 --rounds 40
     python benchmarks/masters_step.py --src ../old-checkout/src   # time another mixprec (before/after)
     python benchmarks/masters_step.py --device cuda --json out.json
@@ -32,6 +35,8 @@ RECIPES = ["bf16-mixed", "bf16-true", "bf16-true-kahan", "bf16-true-sr", "bf16-t
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog=__doc__.split("\n\n", 1)[1])
+    ap.add_argument("--model", default="mlp", choices=("mlp", "block"),
+                    help="mlp: many small Linear layers; block: the reference transformer block (cpu shape)")
     ap.add_argument("--layers", type=int, default=150, help="Linear layers (2 tensors each; default 150)")
     ap.add_argument("--width", type=int, default=32, help="their width (default 32)")
     ap.add_argument("--batch", type=int, default=8)
@@ -59,18 +64,31 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     recipes = ["bf16-mixed"] + [r for r in args.recipes if r != "bf16-mixed"]
 
+    if "bf16-true" not in recipes:
+        recipes.insert(1, "bf16-true")
+    if args.model == "block":
+        from mixprec.bench.block import RefBlock, get_shape, make_batches
+        from mixprec.bench.block import loss_fn as block_loss
+
+        shape = get_shape("cpu")
+
     class Run:
         def __init__(self, recipe: str) -> None:
             torch.manual_seed(0)
-            model = nn.Sequential(*[nn.Linear(args.width, args.width) for _ in range(args.layers)]).to(device)
+            if args.model == "block":
+                model = RefBlock(shape).to(device)
+                self.x, self.y = make_batches(shape, device, count=1)[0]
+            else:
+                model = nn.Sequential(*[nn.Linear(args.width, args.width) for _ in range(args.layers)]).to(device)
+                g = torch.Generator().manual_seed(1)
+                self.x = torch.randn(args.batch, args.width, generator=g).to(device)
             self.mp = mixprec.MixedPrecision(recipe, device)
             self.model = self.mp.prepare(model)
             self.opt = torch.optim.AdamW(self.mp.parameters(self.model), lr=1e-4, foreach=True)
-            g = torch.Generator().manual_seed(1)
-            self.x = torch.randn(args.batch, args.width, generator=g).to(device)
             self.own = 0.0  # seconds inside the strategy's hooks
             m = self.mp.masters
             self.tensors = len(m.slots) if m is not None else 0
+            self.bytes16 = sum(s.param.numel() * s.param.element_size() for s in m.slots) if m is not None else 0
             if m is not None:  # time the strategy's two hooks (host time; synced on CUDA)
                 for name in ("after_backward", "after_step"):
                     inner = getattr(m, name)
@@ -106,9 +124,11 @@ def main(argv: list[str] | None = None) -> int:
 
         def step(self) -> None:
             with self.mp.autocast():
-                loss = self.model(self.x).float().pow(2).mean()
+                out = self.model(self.x)
+                loss = block_loss(out, self.y) if args.model == "block" else out.float().pow(2).mean()
             self.mp.step(loss, self.opt, max_grad_norm=1.0)
 
+    load_before = uptime()
     runs = {r: Run(r) for r in recipes}
     for run in runs.values():  # warm-up: optimizer state, allocator
         for _ in range(3):
@@ -132,22 +152,44 @@ def main(argv: list[str] | None = None) -> int:
         own_ms = 1e3 * runs[r].own / n_steps
         rows.append({
             "recipe": r, "step_ms": 1e3 * Summary.of(times[r]).median, "vs_bf16_mixed": ratio,
-            "masters_ms": own_ms, "tensors": runs[r].tensors,
+            "vs_bf16_true": paired_ratio(times[r], times["bf16-true"]),
+            "masters_ms": own_ms, "tensors": runs[r].tensors, "param_bytes_16bit": runs[r].bytes16,
             "masters_us_per_tensor": 1e3 * own_ms / runs[r].tensors if runs[r].tensors else None,
+            "masters_ns_per_param_byte": 1e6 * own_ms / runs[r].bytes16 if runs[r].bytes16 else None,
+            "kernels": getattr(runs[r].mp.masters, "kernels", None) and runs[r].mp.masters.kernels.describe(),
         })
-    print(f"\n{args.layers} x Linear({args.width}, {args.width}), batch {args.batch}, {device}, "
-          f"torch {torch.__version__}, mixprec from {src}")
-    print("| recipe | tensors | step ms | vs bf16-mixed (95% CI) | masters ms/step | us/tensor |")
-    print("|---|---|---|---|---|---|")
+    what = (f"the reference block ({shape.describe()})" if args.model == "block"
+            else f"{args.layers} x Linear({args.width}, {args.width}), batch {args.batch}")
+    print(f"\n{what}, {device}, {torch.get_num_threads()} thread(s), torch {torch.__version__}, mixprec from {src}")
+    print(f"load before: {load_before}\nload after:  {uptime()}")
+    print("| recipe | tensors | step ms | vs bf16-mixed (95% CI) | vs bf16-true (95% CI) | masters ms/step | "
+          "us/tensor | ns/param byte |")
+    print("|---|---|---|---|---|---|---|---|")
     for row in rows:
-        v = row["vs_bf16_mixed"]
+        v, t = row["vs_bf16_mixed"], row["vs_bf16_true"]
         per = "-" if row["masters_us_per_tensor"] is None else f"{row['masters_us_per_tensor']:.1f}"
+        nsb = "-" if row["masters_ns_per_param_byte"] is None else f"{row['masters_ns_per_param_byte']:.2f}"
         print(f"| {row['recipe']} | {row['tensors']} | {row['step_ms']:.2f} | {v['median']:.3f} "
-              f"({v['ci95_low']:.3f}-{v['ci95_high']:.3f}) | {row['masters_ms']:.2f} | {per} |")
+              f"({v['ci95_low']:.3f}-{v['ci95_high']:.3f}) | {t['median']:.3f} ({t['ci95_low']:.3f}-{t['ci95_high']:.3f}) "
+              f"| {row['masters_ms']:.2f} | {per} | {nsb} |")
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "torch": torch.__version__, "rows": rows,
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        from mixprec.instruments.machine import environment
+
+        Path(args.json).write_text(json.dumps({"args": vars(args), "machine": environment(device), "uptime_before": load_before,
+                                               "uptime_after": uptime(), "torch": torch.__version__, "rows": rows,
                                                "samples_s": times}, indent=1))
     return 0
+
+
+def uptime() -> str:
+    import os
+    import subprocess
+
+    try:
+        return subprocess.run(["uptime"], capture_output=True, text=True, timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 if __name__ == "__main__":

@@ -5,10 +5,15 @@ The suite's tensors are tiny: one intra-op thread avoids OpenMP spin-waiting, wh
 contended threads, well under 1 ms with one).
 """
 
+import os
+import tempfile
+
 import pytest
 import torch
 
 torch.set_num_threads(1)
+# auto's measurements (mixprec.autotune) go to a cache of this session, not the user's ~/.cache
+os.environ.setdefault("MIXPREC_CACHE_DIR", tempfile.mkdtemp(prefix="mixprec-test-cache-"))
 
 
 @pytest.fixture(autouse=True)

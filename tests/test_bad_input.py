@@ -166,6 +166,19 @@ def _load(state):
     return run
 
 
+def _masters_of_another_shape():
+    import torch
+
+    from mixprec import MixedPrecision
+
+    def mp_for(width):
+        mp = MixedPrecision("bf16-true", "cpu")
+        mp.prepare(torch.nn.Sequential(torch.nn.Linear(width, 32), torch.nn.Linear(32, 4)))
+        return mp
+
+    mp_for(32).load_state_dict(mp_for(64).state_dict())
+
+
 def _scaler(**kwargs):
     def run():
         from mixprec import GradScaler
@@ -198,6 +211,7 @@ API_CASES = [
     (_load({"hello": 1}), ValueError, "not a MixedPrecision state dict"),
     (_load([1, 2]), TypeError, "expects the dict mp.state_dict() returned"),
     (_load("torch-scaler"), ValueError, "mp.scaler.load_state_dict(state)"),
+    (_masters_of_another_shape, ValueError, "does not fit parameter '0.weight': checkpoint 32x64, model 32x32"),
     (_scaler(init_scale=0.0), ValueError, "init_scale must be a finite number > 0"),
     (_scaler(init_scale=float("inf")), ValueError, "init_scale must be a finite number > 0"),
     (_update(8), TypeError, "write 8.0"),

@@ -56,21 +56,35 @@ def test_unknown_device_is_a_clear_error():
         resolve_recipe("fp32", "gpu0")
 
 
-def test_auto_on_cpu_without_native_bf16_picks_fp32_and_says_why(monkeypatch):
+def _measured(monkeypatch, bf16_s, fp32_s):
+    from mixprec import autotune
+
+    monkeypatch.setattr(autotune, "_MEMO", {})
+    monkeypatch.setenv(autotune.ENV_MODE, "refresh")  # (test_autotune.py covers the cache)
+    monkeypatch.setattr(autotune, "MEASURE", {**autotune.MEASURE, "compute": lambda d: {"bf16_s": bf16_s, "fp32_s": fp32_s}})
+
+
+def test_auto_on_cpu_where_bf16_is_measured_slower_picks_fp32_and_says_why(monkeypatch):
     monkeypatch.setattr(recipes, "cpu_bf16_support", lambda: (False, "this CPU has neither AVX512-BF16 nor AMX"))
+    _measured(monkeypatch, bf16_s=3.0, fp32_s=1.0)  # emulated bf16: slower
     r = resolve_recipe("auto", "cpu")
     assert r.name == "fp32" and "neither AVX512-BF16 nor AMX" in r.reason and r.reason.startswith("auto:")
+    assert "bf16 autocast measured 0.33x as fast as fp32" in r.reason
 
 
-def test_auto_on_cpu_with_amx_picks_bf16(monkeypatch):
+def test_auto_on_cpu_where_bf16_is_measured_faster_picks_bf16_with_the_fastest_attention(monkeypatch):
     monkeypatch.setattr(recipes, "cpu_bf16_support", lambda: (True, "this CPU has AMX"))
+    _measured(monkeypatch, bf16_s=1.0, fp32_s=2.5)
     r = resolve_recipe("auto", "cpu")
-    assert r.name == "bf16-mixed" and "AMX" in r.reason
+    assert r.name == "bf16-mixed" and "AMX" in r.reason and "2.50x" in r.reason and r.attention == "fastest"
 
 
 def test_auto_reflects_this_machine():
+    from mixprec import autotune
+
     ok, found = recipes.cpu_bf16_support()
-    assert resolve_recipe("auto", "cpu").name == ("bf16-mixed" if ok else "fp32")
+    choice = autotune.compute_choice(torch.device("cpu"))  # measured (or cached) here
+    assert resolve_recipe("auto", "cpu").name == choice[0]
     assert "CPU" in found
 
 

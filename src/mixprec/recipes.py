@@ -95,6 +95,7 @@ class Recipe:
             (``Fp8Spec``; ``prepare`` swaps them, ``mixprec.fp8``); None for the others.
         description: one line for ``mixprec recipes``.
         reason: why this recipe was chosen (``auto`` fills it in; otherwise "requested").
+        attention: "recipe", "fp32" or "fastest": how 16-bit autocast runs the attention product (``mixprec.attention``).
     """
 
     name: str
@@ -109,6 +110,7 @@ class Recipe:
     fp32_params: tuple = ()
     pure: bool = False
     fp8: Fp8Spec | None = None
+    attention: str = "recipe"
 
     def __post_init__(self) -> None:
         if self.loss_scaling not in ("none", "static", "dynamic"):
@@ -116,6 +118,8 @@ class Recipe:
                 f"Recipe {self.name!r}: loss_scaling={self.loss_scaling!r}; expected 'none', 'static' or 'dynamic'"
             )
         self._check_master()
+        from mixprec.attention import check_mode  # ("recipe", "fp32", "fastest")
+        check_mode(self.attention)
         if self.pure and (self.policy.param_dtype == _F32 or self.fp32_params):
             raise ValueError(
                 f"Recipe {self.name!r}: pure=True puts the whole model in 16 bits; it needs 16-bit parameters "
@@ -424,12 +428,8 @@ def _auto(device: torch.device) -> Recipe:
         why = f"{name} (sm_{major}{minor}) has no native bf16 (needs sm_80+): fp16 with dynamic loss scaling"
         return dataclasses.replace(get_recipe("fp16-mixed"), reason=f"auto: {why}")
     if device.type == "cpu":
-        ok, found = cpu_bf16_support()
-        if ok:
-            why = f"{found}: bf16 matmuls are native, fp16's are not (bf16-true as fast; fp32 attention: docs/bench.md)"
-            return dataclasses.replace(get_recipe("bf16-mixed"), reason=f"auto: {why}")
-        why = f"{found}: bf16 and fp16 matmuls are emulated and slower than fp32 here"
-        return dataclasses.replace(get_recipe("fp32"), reason=f"auto: {why}")
+        from mixprec.autotune import cpu_auto  # measured on this machine (once, then cached)
+        return cpu_auto(get_recipe, cpu_bf16_support())
     return dataclasses.replace(
         get_recipe("fp32"), reason=f"auto: no mixed-precision rule for device type {device.type!r} yet"
     )

@@ -217,6 +217,10 @@ def describe(mp: Any) -> str:
         lines += describe_lines(mp.fp8_spec, mp.fp8)
     if mp._dist is not None:
         lines.append(f"parallel {mp._dist.describe()}")
+    if getattr(mp, "attention", None) is not None:  # mixprec.attention (prepared), else the recipe's setting
+        lines.append(mp.attention.describe())
+    elif r.attention != "recipe":
+        lines.append(f"attention: {r.attention} (routed at prepare)")
     return "\n".join(lines)
 
 

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec.attention import install as install_attention, with_attention
 from mixprec.formats import short_name
 from mixprec.islands import FAMILIES, Rule, as_rules, family_matches, keep_fp32
 from mixprec.masters import MasterWeights, export, make_masters
@@ -69,6 +70,8 @@ class MixedPrecision:
         nan_guard: attach ``mixprec.nan_guard`` to the model in ``prepare``: True (mode "raise"), a
             mode ("raise", "warn", "record") or a dict of its options. Off (False) adds no hooks.
         fp8: for fp8 recipes, ``Fp8Spec`` fields replacing the recipe's (``{"margin": 1}``), or an ``Fp8Spec``.
+        attention: "fp32" or "fastest" (measured, cached) to run 16-bit autocast's attention product in
+            fp32, "recipe" as the recipe does; None keeps the recipe's (``auto``: "fastest"; ``mixprec.attention``).
 
     Attributes: ``recipe`` (with ``recipe.reason``), ``device``, ``policy``, ``scaler``, ``masters``
     (the master-weight strategy of a 16-bit storage recipe, else None), ``guard`` (the ``NanGuard``
@@ -89,9 +92,10 @@ class MixedPrecision:
         fp32_params: Sequence[Any] | None = None,
         nan_guard: bool | str | dict[str, Any] = False,
         fp8: Any = None,
+        attention: str | None = None,
     ) -> None:
         self.device = as_device(device)
-        self.recipe = as_requested(resolve_recipe(recipe, self.device), recipe)  # (an alias says so)
+        self.recipe = with_attention(as_requested(resolve_recipe(recipe, self.device), recipe), attention)  # (an alias says so)
         if not isinstance(accumulate, int) or accumulate < 1:
             raise ValueError(f"accumulate must be an integer >= 1, got {accumulate!r}")
         self.accumulate = accumulate
@@ -179,6 +183,7 @@ class MixedPrecision:
                 autocast_outside(model, self.device.type, self.policy.compute_dtype, root=False)
         if self.recipe.autocast:  # the output cast (and a pure recipe's input cast, a storage recipe's autocast)
             model.forward = PreparedForward(model, self.policy.output_dtype, **prepared_forward_options(self))  # type: ignore[method-assign]
+        self.attention = install_attention(model, self.recipe, self.device)  # fp32 attention where asked for
         model._mixprec_recipe = self.recipe.name  # type: ignore[attr-defined]
         self._model_ref = weakref.ref(model)  # reset() clears its gradients
         self._held.add(model)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from mixprec.comparison.api import compare
-from mixprec.comparison.report import summary_rows
+from mixprec.comparison.report import speedup_note, summary_rows
 from mixprec.tasks import load_task
 
 
@@ -44,7 +44,9 @@ def test_records_every_step_of_every_run(healthy_comparison):
 
 
 def test_step_time_ratio_is_relative_to_pooled_fp32(healthy_comparison):
-    r = healthy_comparison
+    import dataclasses
+
+    r = dataclasses.replace(healthy_comparison, timing=None)  # the sequential runs' figures
     fp32_median = np.median([x.median_step_s for x in r.runs if x.role != "candidate"])
     assert r.fp32_step_s == pytest.approx(fp32_median)
     assert r.step_time_ratio("bf16-mixed") == pytest.approx(r.run_for("bf16-mixed").median_step_s / fp32_median)
@@ -56,6 +58,40 @@ def test_step_time_ratio_is_relative_to_pooled_fp32(healthy_comparison):
     assert r.speedup("bf16-mixed") == pytest.approx(1 / r.step_time_ratio("bf16-mixed"))
     bf16 = next(x for x in summary_rows(r) if x["recipe"] == "bf16-mixed")
     assert bf16["speedup"] == pytest.approx(fp32_median / r.run_for("bf16-mixed").median_step_s)
+    assert r.speed_method == "sequential" and "INDICATIVE ONLY" in speedup_note(r)
+
+
+def test_the_speed_column_comes_from_interleaved_rounds(healthy_comparison):
+    r = healthy_comparison
+    assert r.speed_method == "interleaved" and set(r.timing) == {"fp32", "bf16-mixed", "fp16-mixed"}
+    rounds = len(r.timing["fp32"])
+    assert rounds == 10 and all(len(t) == rounds for t in r.timing.values())
+    ratios = np.array(r.timing["fp32"]) / np.array(r.timing["bf16-mixed"])  # paired: the same round
+    assert r.speedup("bf16-mixed") == pytest.approx(float(np.median(ratios)))
+    row = next(x for x in summary_rows(r) if x["recipe"] == "bf16-mixed")
+    lo, hi = row["speedup_ci"]
+    assert lo <= row["speedup"] <= hi and row["step_ms"] == pytest.approx(np.median(r.timing["bf16-mixed"]) * 1e3)
+    assert "interleaved rounds" in speedup_note(r)
+    speed = r.to_dict()["speed"]
+    assert speed["method"] == "interleaved" and speed["rounds"] == rounds
+    assert speed["speedup_vs_fp32"]["bf16-mixed"]["median"] == pytest.approx(r.speedup("bf16-mixed"))
+
+
+def test_the_report_names_the_threads_the_runs_used(healthy_comparison):
+    # compare ran with threads=1 and restored the caller's setting; the page must say 1 in both places
+    import re
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        page = healthy_comparison.write(str(healthy_comparison.files["html"]).rsplit("/", 1)[0])["html"]
+        html = open(page).read()
+    finally:
+        torch.set_num_threads(before)
+    assert "(torch threads 1)" in html
+    assert re.findall(r"(\d+) threads, torch", html) == ["1"]
+    assert healthy_comparison.to_dict()["machine"]["threads"] == 1
 
 
 def test_builtin_default_loss_falls_clearly_within_a_few_dozen_steps():

@@ -381,3 +381,44 @@ def test_outputs_fed_from_inside_get_only_their_outside_gradient_in_a_replay():
     _, grads = arrived(outside)  # ... and from outside too: that part is injected, once
     roots, injected = _external(outputs(), grads, notes)
     assert len(roots) == 2 and torch.allclose(injected[1], outside, atol=1e-6) and "subtraction" in notes[0]
+
+
+def _ddp_rank(rank: int, port: int, out: str) -> None:
+    import json
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        torch.set_num_threads(1)
+        torch.manual_seed(0)
+        mp = mixprec.MixedPrecision("fp32", "cpu", nan_guard="record")
+        model = mp.prepare(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1)), parallel="ddp")
+        y = torch.zeros(2, 1)
+        if rank == 1:
+            y[0, 0] = float("nan")  # only rank 1's loss is NaN; DDP averages the NaN into rank 0's gradients
+        mp.step(((model(torch.ones(2, 4)) - y) ** 2).mean(), torch.optim.SGD(mp.parameters(model), lr=0.1))
+        with open(f"{out}.{rank}", "w") as f:
+            json.dump([e.to_dict() for e in mp.guard.events], f)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_under_ddp_the_rank_that_made_the_nan_names_it_and_the_others_say_it_came_in(tmp_path):
+    import json
+    import socket
+
+    import torch.multiprocessing as tmp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    tmp.spawn(_ddp_rank, args=(port, str(tmp_path / "events")), nprocs=2)
+    r0, r1 = (json.loads((tmp_path / f"events.{r}").read_text()) for r in (0, 1))
+    assert [(e["phase"], e["origin"], e["cause"]) for e in r1] == [("backward", "input", "nonfinite-gradient-from-loss")]
+    # rank 0 made nothing non-finite; it sees the averaged NaN (checked after DDP's reduction) and says so
+    assert [(e["phase"], e["origin"]) for e in r0] == [("backward", "unlocated")]
+    assert "averaged over the ranks" in r0[0]["replay"] and "0.weight" in r0[0]["replay"]

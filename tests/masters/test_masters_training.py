@@ -13,7 +13,7 @@ from torch import nn
 
 from mixprec import MixedPrecision
 from mixprec.masters import nearest_bf16
-from mixprec.tasks.charlm import lm_loss
+from mixprec.tasks.charlm import CharGPT, lm_loss
 
 
 @pytest.mark.parametrize("accumulate", [1, 2])
@@ -305,3 +305,14 @@ def test_a_replaced_proxy_value_is_still_written_back():
     after = mp.masters.masters()[name]
     assert (after - before[name]).abs().min() > 0.5  # the +1 reached the stored weights
     assert not after.requires_grad
+
+
+@pytest.mark.parametrize("recipe", ["bf16-true", "bf16-true-kahan", "bf16-true-sr", "bf16-true-remainder"])
+def test_a_masters_state_of_another_shape_is_refused_naming_the_parameter_and_nothing_is_loaded(recipe):
+    wide = setup(recipe, build=lambda seed: CharGPT(d_model=48, n_layer=1, n_head=2, seq_len=16))[1]
+    model, mp, opt = setup(recipe)
+    train(model, mp, opt, range(2))
+    before = snapshot(model, mp, opt)
+    with pytest.raises(ValueError, match=r"does not fit parameter '.*': checkpoint \d+x48, model \d+x32"):
+        mp.load_state_dict(wide.state_dict())
+    assert_bitwise_equal(snapshot(model, mp, opt), before)  # refused before anything was written

@@ -57,7 +57,10 @@ def plan_variants(recipes: Sequence[str] | None, device: torch.device, tf32_mode
     if compile_mode not in ("off", "on", "both"):
         raise ValueError(f"compile must be 'off', 'on' or 'both', got {compile_mode!r}")
     chosen = [resolve_recipe(r, device) for r in recipes] if recipes else list_recipes()
-    compute = {r.name: r.compute_dtype for r in chosen}  # names and jmp policy strings, deduplicated
+    # names and jmp policy strings, deduplicated; "auto" stays itself (it routes attention by a
+    # measurement, so it is not the recipe it resolves to)
+    compute = {("auto" if spec.strip().lower() == "auto" else r.name): r.compute_dtype
+               for spec, r in zip(recipes or [r.name for r in chosen], chosen)}
     compiles = {"off": [False], "on": [True], "both": [False, True]}[compile_mode]
     out: list[Variant] = []
     for c in compiles:

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 import mixprec
-from mixprec.comparison.runner import ProgressFn, RunResult, RunStartFn, check_task, run_plan
+from mixprec.comparison.runner import ProgressFn, RunResult, RunStartFn, check_task, run_plan, time_interleaved
 from mixprec.instruments.machine import environment
 from mixprec.comparison.verdict import Band, Verdict, VerdictRule, fp32_band, judge
 from mixprec.recipes import Recipe, as_device, resolve_recipe
@@ -49,6 +49,9 @@ class ComparisonResult:
         files: report files written (name -> path), when ``out`` was given.
         write_error: why the report could not be written to ``out`` (the results are all here:
             ``result.write(other_dir)``), else None.
+        timing: recipe name -> seconds per step from the interleaved timing rounds
+            (``runner.time_interleaved``), fp32 included; None when they did not run (then the speed
+            comes from the sequential runs: indicative only).
     """
 
     task: str
@@ -61,6 +64,7 @@ class ComparisonResult:
     rule: VerdictRule
     wall_s: float
     threads: int = 0
+    timing: dict[str, list[float]] | None = None
     files: dict[str, str] = dataclasses.field(default_factory=dict)
     write_error: str | None = None
 
@@ -108,14 +112,31 @@ class ComparisonResult:
         return run.median_step_s / self.fp32_step_s
 
     def speedup(self, recipe: str) -> float:
-        """``fp32_step_s`` over ``recipe``'s median step time: > 1 means faster than fp32 (the
-        convention every mixprec table uses). Indicative: the runs happen one after another, so
-        load that drifts between them moves it; ``mixprec bench`` interleaves its variants."""
-        return 1.0 / self.step_time_ratio(recipe)
+        """fp32's step time over ``recipe``'s: > 1 means faster than fp32 (the convention every
+        mixprec table uses). From the interleaved timing rounds when they ran (the median of the
+        per-round ratios, ``speed_interval``), else from the sequential runs (``fp32_step_s`` over
+        the run's median step: indicative, load drifting between runs moves it)."""
+        ratio = self.speed_interval(recipe)
+        return ratio["median"] if ratio is not None else 1.0 / self.step_time_ratio(recipe)
+
+    @property
+    def speed_method(self) -> str:
+        return "interleaved" if self.timing else "sequential"
+
+    def speed_interval(self, recipe: str) -> dict[str, float] | None:
+        """The interleaved rounds' fp32/``recipe`` step-time ratio: median, IQR and a 95% bootstrap
+        interval of the median (None without interleaved timing for it)."""
+        t = self.timing or {}
+        if recipe not in t or REFERENCE not in t:
+            return None
+        from mixprec.instruments.timing import paired_ratio
+
+        return paired_ratio(t[REFERENCE], t[recipe])
 
     def machine(self) -> dict[str, Any]:
-        """Where the runs ran (``mixprec.instruments.machine.environment``; the JAX result describes jax's)."""
-        return environment(self.device)
+        """Where the runs ran (``mixprec.instruments.machine.environment``; the JAX result describes jax's): the
+        runs' thread count, not the caller's after compare restored it."""
+        return {**environment(self.device), "threads": self.threads or torch.get_num_threads()}
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -134,6 +155,9 @@ class ComparisonResult:
                 r.recipe: _round(self.step_time_ratio(r.recipe)) for r in self.runs if r.role != "noise"
             },
             "speedup_vs_fp32": {r.recipe: _round(self.speedup(r.recipe)) for r in self.runs if r.role != "noise"},
+            "speed": {"method": self.speed_method, "rounds": len(next(iter(self.timing.values()))) if self.timing else 0,
+                      "speedup_vs_fp32": {k: self.speed_interval(k) for k in (self.timing or {})},
+                      "samples_s": self.timing or {}},
             "machine": self.machine(),
             "band": None if self.band is None else {
                 "center": self.band.center.tolist(),
@@ -197,6 +221,7 @@ def compare(
     nproc: int = 1,
     parallel: str = "ddp",
     timeout: float | None = None,
+    timing_rounds: int = 10,
 ) -> ComparisonResult:
     """Train ``task`` under each recipe and under fp32 from ``1 + seeds`` seeds; judge every recipe.
 
@@ -218,6 +243,9 @@ def compare(
             ``"module:function"`` name or None, which the processes import).
         parallel: "ddp" or "fsdp" when ``nproc`` > 1; ``timeout``: seconds for all of it (then
             the processes are killed and a ``RuntimeError`` says so); None: no limit.
+        timing_rounds: after the runs, time every recipe's step in this many interleaved rounds
+            (``runner.time_interleaved``) for the speed column; 0 (or ``nproc`` > 1) takes it from
+            the sequential runs instead, which is indicative only.
 
     Raises ``TaskError`` for a task that cannot be used, ``ValueError`` for unknown recipes or bad
     arguments, ``RuntimeError`` for a recipe this device cannot run, ``RunError`` when an fp32
@@ -233,6 +261,8 @@ def compare(
         raise ValueError(f"steps={steps!r}: need an integer >= 2")
     if threads is not None and (not isinstance(threads, int) or threads < 1):
         raise ValueError(f"threads={threads!r}: need a positive integer or None")
+    if isinstance(timing_rounds, bool) or not isinstance(timing_rounds, int) or timing_rounds < 0 or timing_rounds == 1:
+        raise ValueError(f"timing_rounds={timing_rounds!r}: need 0 (no interleaved timing) or an integer >= 2")
     if out is not None:
         from mixprec.comparison.report import check_out_dir
 
@@ -264,6 +294,10 @@ def compare(
                                      progress=progress, on_run=on_run, timeout=timeout)
         else:
             runs = run_plan(the_task, plan, n_steps, dev, progress=progress, on_run=on_run)
+        timing = None
+        if nproc == 1 and timing_rounds and all(np.isfinite(r.loss).all() for r in runs if r.role != "candidate"):
+            timed = [reference_recipe] + [c for c in candidates if not any(r.recipe == c.name and r.error for r in runs)]
+            timing = time_interleaved(the_task, timed, dev, timing_rounds) or None
     verdicts, band = _judge(runs, candidates, seeds, rule)
 
     result = ComparisonResult(
@@ -277,6 +311,7 @@ def compare(
         rule=rule,
         wall_s=0.0,
         threads=threads_used,
+        timing=timing,
     )
     result.wall_s = time.perf_counter() - t_start
     if out is not None:

@@ -64,6 +64,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--force-nproc", action="store_true",
                         help="start --nproc N CPU processes even where N is more than this machine's CPUs (they then "
                              "share them); without it, N is bounded by the CPU count (gloo) or the GPU count (CUDA)")
+    parser.add_argument("--timing-rounds", type=int, default=10, metavar="N",
+                        help="after the runs, time every recipe's step in N interleaved rounds for the speed column "
+                             "(default 10; 0: take it from the runs, one after another, which is indicative only)")
     parser.add_argument("--backend", choices=("torch", "jax"), default="torch",
                         help="train with torch (default) or JAX (needs the jax extra; --task then names a JaxTask factory)")
     parser.add_argument("--explain", action="store_true",
@@ -136,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
                 args.task, recipes, steps=args.steps, seeds=args.noise_seeds, device=args.device,
                 out=DEFAULT_OUT if args.out is None else (args.out or None), task_kwargs=task_kwargs, threads=threads,
                 progress=progress.on_step if progress else None, on_run=progress.on_run if progress else None,
-                nproc=args.nproc, parallel=args.parallel or "ddp",
+                nproc=args.nproc, parallel=args.parallel or "ddp", timing_rounds=getattr(args, "timing_rounds", 10),
             )
     except RunError as e:
         return error(f"{e}\n(an fp32 run failed, so nothing can be judged: debug the task in plain fp32 first)")

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from mixprec.comparison.verdict import ema
-from mixprec.instruments.machine import describe, environment
+from mixprec.instruments.machine import describe
 from mixprec.report.outdir import check_writable_dir
 
 FILES = {"html": "compare.html", "png": "compare.png", "json": "compare.json", "csv": "compare.csv"}
@@ -61,9 +61,11 @@ def summary_rows(result: Any) -> list[dict[str, Any]]:
             "from_step": verdict.first_step if verdict else None,
             "ratio": verdict.ratio if verdict else None,
             "final_loss": _tail_mean(run.loss),
-            # the fp32 row shows the baseline the ratios divide by: all fp32 seeds pooled
-            "step_ms": (result.fp32_step_s if run.role == "reference" else run.median_step_s) * 1e3,
+            # the fp32 row shows the baseline the ratios divide by: the interleaved rounds' median, else
+            # all fp32 seeds pooled
+            "step_ms": _step_ms(result, run),
             "speedup": result.speedup(run.recipe),
+            "speedup_ci": (lambda r: None if r is None else (r["ci95_low"], r["ci95_high"]))(result.speed_interval(run.recipe)),
             "skipped": run.skipped_steps if run.loss_scaling != "none" else None,
             "peak_mib": None if run.peak_memory_bytes is None else run.peak_memory_bytes / 2**20,
             "message": verdict.message if verdict else "the reference: fp32 from seed 0",
@@ -79,6 +81,24 @@ def summary_rows(result: Any) -> list[dict[str, Any]]:
     return rows
 
 
+def _step_ms(result: Any, run: Any) -> float:
+    timing = getattr(result, "timing", None) or {}
+    if run.recipe in timing:
+        return float(np.median(timing[run.recipe])) * 1e3
+    return (result.fp32_step_s if run.role == "reference" else run.median_step_s) * 1e3
+
+
+def speedup_note(result: Any) -> str:
+    """The one speed convention of every mixprec table, and how this comparison measured it."""
+    head = "speedup = fp32's step time / this recipe's (> 1: faster than fp32)"
+    if getattr(result, "speed_method", "sequential") == "interleaved":
+        rounds = len(next(iter(result.timing.values())))
+        return (f"{head}: the median of {rounds} interleaved rounds (each recipe's step once per round, the order "
+                "rotated), 95% interval in brackets; step ms: the rounds' median")
+    return (f"{head}; INDICATIVE ONLY: the runs went one after another, so load that changed between them moves "
+            "it (rerun without --timing-rounds 0, or use 'mixprec bench', which interleaves)")
+
+
 def _fmt(value: Any, spec: str, missing: str = "-") -> str:
     if value is None or (isinstance(value, float) and not np.isfinite(value)):
         return missing
@@ -86,18 +106,28 @@ def _fmt(value: Any, spec: str, missing: str = "-") -> str:
 
 
 _HEADERS = ["recipe", "verdict", "gap/band", "last-10 loss", "step ms", "speedup", "skipped", "peak MiB"]
-#: The one speed convention of every mixprec table, said under the table.
-SPEEDUP_NOTE = ("speedup = fp32's median step time / this recipe's (> 1: faster than fp32); indicative, the "
-                "runs went one after another: 'mixprec bench' times recipes interleaved")
 
 
 def _cells(row: dict[str, Any]) -> list[str]:
     verdict = row["verdict"] + (f" @{row['from_step']}" if row["from_step"] is not None else "")
     return [
         row["recipe"], verdict, _fmt(row["ratio"], ".2f"), _fmt(row["final_loss"], ".5g"),
-        _fmt(row["step_ms"], ".1f"), (_fmt(row["speedup"], ".2f") + "x" if row["speedup"] is not None else "-"), _fmt(row["skipped"], "d"),
+        _fmt(row["step_ms"], ".1f"), _speed_cell(row), _fmt(row["skipped"], "d"),
         _fmt(row["peak_mib"], ".1f", "n/a"),
     ]
+
+
+def _speed_cell(row: dict[str, Any]) -> str:
+    if row["speedup"] is None:
+        return "-"
+    ci = row.get("speedup_ci")
+    return _fmt(row["speedup"], ".2f") + "x" + (f" [{ci[0]:.2f}-{ci[1]:.2f}]" if ci and row["recipe"] != "fp32" else "")
+
+
+def _machine(result: Any) -> str:
+    """The machine as the runs saw it (their thread count: compare restores the caller's after; the JAX
+    result describes jax's devices)."""
+    return describe(result.machine())
 
 
 def print_summary(result: Any, console: Any = None) -> None:
@@ -122,7 +152,7 @@ def print_summary(result: Any, console: Any = None) -> None:
         mark = "[green]ok[/green]" if row["ok"] else "[bold red]FAIL[/bold red]"
         console.print(f"  {mark} [bold]{row['recipe']}[/bold] {row['verdict']}: {row['message']}", highlight=False)
     console.print(f"[dim]rule: {result.rule.summary(result.steps)}[/dim]", highlight=False)
-    console.print(f"[dim]{SPEEDUP_NOTE}; machine: {describe(result.machine())}[/dim]", highlight=False)
+    console.print(f"[dim]{speedup_note(result)}; machine: {_machine(result)}[/dim]", highlight=False)
     if result.files:
         console.print(f"report: {result.files['html']}  (data: {result.files['json']}, {result.files['csv']})")
 
@@ -174,7 +204,8 @@ def _write_html(result: Any, png: bytes, path: str) -> None:
     rows = summary_rows(result)
     page.table(_HEADERS + ["why"], [_cells(r) + [r["message"]] for r in rows],
                classes=[None if r["verdict"] == "reference" else "ok" if r["ok"] else "bad" for r in rows])
-    page.paragraph(f"{SPEEDUP_NOTE}. Machine: {describe(result.machine())}.")
+    page.paragraph(f"{speedup_note(result)}. Machine: {_machine(result)}.",
+                   css_class=None if getattr(result, "speed_method", "") == "interleaved" else "bad")
     page.image(png, caption=(
         "Top: smoothed loss of each recipe over the shaded fp32 noise band (raw losses faint). "
         "Bottom: the loss scale of recipes with a scaler, triangles at skipped steps."

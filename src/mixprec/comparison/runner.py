@@ -13,6 +13,7 @@ verifies before training.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Callable
 from typing import Any, Literal
@@ -371,6 +372,69 @@ def run_plan(task: Task, plan: list[tuple[Recipe, int, str]], steps: int, device
         if role != "candidate" and not np.isfinite(run.loss).all():
             break
     return runs
+
+
+def time_interleaved(task: Task, recipes: list[Recipe], device: torch.device, rounds: int = 10,
+                     warmup: int = 2) -> dict[str, list[float]]:
+    """Seconds per training step of each recipe, timed as ``mixprec bench`` times its variants.
+
+    The training runs go one after another, so load that drifts between them (other processes on
+    a shared machine) moves their step times apart. Here every recipe gets its own model (seed 0)
+    and optimizer, all alive at once, and each round steps every recipe in turn, the order rotated
+    by one each round: a slow moment hits all of them alike, and the ratios can be formed per round
+    (``instruments.timing.paired_ratio``). A round times ``TIMED_S`` of steps per recipe at least
+    (several steps of a small model: one step of a few ms is one scheduler preemption away from
+    double). A recipe that fails here is left out of the result. The global RNG state is put back
+    afterwards: the timing does not change what runs after it. Returns seconds per step.
+    """
+    from mixprec.instruments.timing import interleaved_order, time_call
+
+    rng = torch.random.get_rng_state()
+    arms: dict[str, Callable[[], None]] = {}
+    try:
+        per_step: list[float] = []
+        for recipe in recipes:
+            try:
+                arms[recipe.name] = _timed_step(task, recipe, device)
+                for _ in range(max(0, warmup - 1)):
+                    arms[recipe.name]()
+                per_step.append(time_call(arms[recipe.name], device))
+            except Exception:  # the training run already said what is wrong with this recipe
+                arms.pop(recipe.name, None)
+        repeat = max(1, min(MAX_STEPS_PER_ROUND, math.ceil(TIMED_S / max(min(per_step, default=TIMED_S), 1e-6))))
+        samples: dict[str, list[float]] = {name: [] for name in arms}
+        for _, name in interleaved_order(list(arms), rounds):
+            if name in arms:
+                try:
+                    samples[name].append(time_call(arms[name], device, repeat))
+                except Exception:
+                    del arms[name]
+                    samples.pop(name)
+        return {name: t for name, t in samples.items() if len(t) == rounds}
+    finally:
+        torch.random.set_rng_state(rng)
+
+
+def _timed_step(task: Task, recipe: Recipe, device: torch.device) -> Callable[[], None]:
+    mp = MixedPrecision(recipe, device)
+    model = mp.prepare(_build_model(task, REFERENCE_SEED, device))
+    optimizer = task.build_optimizer(mp.parameters(model))
+    state = {"step": 0}
+
+    def step() -> None:
+        inputs, targets = _call_get_batch(task, state["step"] % max(1, task.steps))
+        inputs, targets = to_device(inputs, device), to_device(targets, device)
+        with mp.autocast():
+            outputs = task.run_forward(model, inputs)
+        mp.step(task.loss_fn(outputs, targets), optimizer, max_grad_norm=task.max_grad_norm)
+        state["step"] += 1
+
+    return step
+
+
+REFERENCE_SEED = 0  # (as comparison.api's: the timing models start where the seed-0 runs started)
+TIMED_S = 0.05  # seconds of steps per recipe and round, at least
+MAX_STEPS_PER_ROUND = 20
 
 
 def _mean_over_ranks(loss: torch.Tensor) -> torch.Tensor:

@@ -403,6 +403,9 @@ class NanGuard:
                 return
             why = ("a replay of the step under the full trace did not reproduce it" if not rep.reproduced else
                    "a replay of the step reproduced it, but the trace saw no producer") + "".join(f"; {n}" for n in rep.notes)
+            if phase == "backward" and _world_size() > 1:
+                why += ("; the gradients are averaged over the ranks, so it may come from another rank's pass: "
+                        "see that rank's guard")
         seen = (f"the gradients of {', '.join(repr(n) for n in names[:3])}" + (f" and {len(names) - 3} more" if len(names) > 3 else "")
                 if names else "the model's output")
         out = bad[0]
@@ -439,6 +442,11 @@ class NanGuard:
         if not self.events:
             return f"nan_guard: no non-finite values in {self.checks} checked pass(es)" + fp8
         return "\n\n".join(e.describe() for e in self.events[:5]) + fp8
+
+
+def _world_size() -> int:
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def nan_guard(model: nn.Module, mode: Mode = "raise", **options: Any) -> NanGuard:

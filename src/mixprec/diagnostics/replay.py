@@ -238,7 +238,13 @@ class Sentinel:
         self._keep(saved)  # a second backward through a retained graph
         if not self._backward_queued:
             self._backward_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
+            torch.autograd.Variable._execution_engine.queue_callback(self._requeue)
+
+    def _requeue(self) -> None:
+        # Queued at the first gradient, this runs before callbacks queued later in the pass, such
+        # as DDP's, which writes the gradients averaged over the ranks: queued again, the check
+        # runs after them and sees what the optimizer will.
+        torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
 
     def _backward_end(self) -> None:
         self._backward_queued = False

@@ -14,29 +14,9 @@ from typing import Any
 
 import torch
 
-# CPU features that decide 16-bit matmul speed on x86 (the /proc/cpuinfo flag names)
-FEATURES = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_fp16", "amx_int8")
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def cpu_features() -> list[str]:
-    """The ``FEATURES`` this CPU reports (empty where /proc/cpuinfo is not there)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = set(next((line for line in f if line.startswith("flags")), "").split())
-    except OSError:
-        return []
-    return [f for f in FEATURES if f in flags]
+# The CPU's name and the SIMD features that decide 16-bit matmul speed: one place reads them
+# (``mixprec.autotune``, which keys its measurements by them), for the core and the tools alike.
+from mixprec.autotune import FEATURES, cpu_features, cpu_name  # noqa: E402
 
 
 def environment(device: torch.device | str = "cpu") -> dict[str, Any]:

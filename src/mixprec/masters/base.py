@@ -68,7 +68,8 @@ from mixprec.masters.buckets import (
     _views,
 )
 from mixprec.masters.gradients import _GradFolding
-from mixprec.masters.guard import built_over_16bit, install_guard, unfrozen_after_prepare
+from mixprec.masters.guard import built_over_16bit, check_slot_state, install_guard, unfrozen_after_prepare
+from mixprec.masters.kernels import KernelSet
 from mixprec.masters.rules import ParamRule, fp32_param_names
 
 
@@ -94,6 +95,8 @@ class MasterWeights(_GradFolding):
     #: writing a value back draws random bits even when the value did not change (stochastic
     #: rounding): a bucketed step then writes back the buckets it did not step too
     draws_on_write = False
+    #: the write-back (and rebuild) run ``masters.kernels`` (compiled when it pays)
+    uses_kernels = False
     description = ""
 
     def __init__(self, storage_dtype: torch.dtype, fp32_params: Sequence[ParamRule]) -> None:
@@ -126,6 +129,7 @@ class MasterWeights(_GradFolding):
         self._grad_unscale: torch.Tensor | None = None  # a loss scaler's inverse scale for deferred gradients
         self._unscaled: set[int] = set()  # ... and the 16-bit gradients (ids) the scaler checked: the optimizer's
         self._unscale_exact = True  # ... and whether that inverse scale is a power of two
+        self.kernels = KernelSet()  # the compact strategies' update kernels: compiled or eager (masters.kernels)
 
     # ------------------------------------------------------------------ attach
 
@@ -165,6 +169,7 @@ class MasterWeights(_GradFolding):
                 self._by_param[id(p)] = slot
                 self._by_proxy[id(proxy)] = slot
             self.buckets = _buckets(self.slots, self.bucket_numel)
+            self.kernels.size_to(sum(s.param.numel() for s in self.slots))
             self._bucket_of = {id(sl.proxy): i for i, b in enumerate(self.buckets) for sl in b.slots}
             start = 0  # buckets hold consecutive slots
             for b in self.buckets:
@@ -375,11 +380,13 @@ class MasterWeights(_GradFolding):
         raise NotImplementedError
 
     def _release_bucket(self, b: _Bucket) -> None:
-        b.value_32, b.value_ptrs = None, []
+        b.value_32, b.value_ptrs, b.params_16 = None, [], None
         for s in b.slots:
             s.proxy.data = s.placeholder
 
     def _flat_params(self, b: _Bucket) -> torch.Tensor:
+        if b.params_16 is not None:  # gathered by this step's rebuild
+            return b.params_16
         return _flat([s.param.data for s in b.slots])
 
     def _store_params(self, b: _Bucket, flat_16: torch.Tensor) -> None:
@@ -462,6 +469,8 @@ class MasterWeights(_GradFolding):
                 f"master-weight state does not match the model: missing {missing[:5]}, unexpected "
                 f"{unexpected[:5]} (was it saved with another model or another fp32_params rule?)"
             )
+        for s in self.slots:  # every entry checked before any is loaded: a refused state changes nothing
+            check_slot_state(s.name, saved[s.name], self._slot_state(s))
         with torch.no_grad():
             for s in self.slots:
                 self._load_slot_state(s, saved[s.name])
@@ -477,6 +486,7 @@ class MasterWeights(_GradFolding):
             f"({len(self.fp32_names)} tensors)"
             + (f"; {len(self.frozen)} frozen tensors ({sum(p.numel() for _, p in self.frozen):,} params) "
                f"stored in {get_format(self.storage_dtype).name} without masters" if self.frozen else "")
+            + (f"; update kernels: {self.kernels.describe()}" if self.uses_kernels else "")
         )
 
 

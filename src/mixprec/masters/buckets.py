@@ -63,6 +63,7 @@ class _Bucket:
     extra: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # flat strategy buffers
     value_32: torch.Tensor | None = None  # the proxies' flat fp32 values during a step (compact strategies)
     value_ptrs: list[int] = dataclasses.field(default_factory=list)  # where each proxy's view of it starts
+    params_16: torch.Tensor | None = None  # the 16-bit parameters, flat, gathered by a step's rebuild
 
     numel: int = 0  # elements of all its slots
 

@@ -6,6 +6,9 @@ parameters, ``"proxy"`` on their fp32 masters, ``"frozen"`` on parameters frozen
 (16-bit, no master; the hook refuses to step one that has a gradient). The hook refuses an optimizer holding a stored
 parameter (it would train 16-bit weights without masters), and an optimizer holding masters
 stepped outside ``mp.step`` (their gradients and values exist only inside it).
+
+Also the checks of a master-weight state before it is loaded (``check_slot_state``): a state that
+does not fit is refused, naming the parameter, before anything is written.
 """
 
 from __future__ import annotations
@@ -79,3 +82,20 @@ def install_guard() -> None:
         from torch.optim.optimizer import register_optimizer_step_pre_hook
 
         _GUARD_HANDLE = register_optimizer_step_pre_hook(_guard)
+
+
+def check_slot_state(name: str, saved: Any, mine: dict[str, torch.Tensor]) -> None:
+    def shape(t: torch.Tensor) -> str:
+        return "x".join(map(str, t.shape)) or "scalar"
+
+    if not isinstance(saved, dict) or set(saved) != set(mine):
+        got = sorted(saved) if isinstance(saved, dict) else type(saved).__name__
+        raise ValueError(f"master-weight state for parameter {name!r} holds {got}, this strategy keeps "
+                         f"{sorted(mine)}: it was saved by another version or edited; save it again with mp.state_dict()")
+    for key, want in mine.items():
+        got = saved[key]
+        if not isinstance(got, torch.Tensor) or got.shape != want.shape:
+            found = shape(got) if isinstance(got, torch.Tensor) else type(got).__name__
+            raise ValueError(f"master-weight state does not fit parameter {name!r}: checkpoint {found}, model "
+                             f"{shape(want)} ({key}). The checkpoint was saved from a model of another shape: "
+                             "build the model it was saved from, or start this one without it")

@@ -17,7 +17,7 @@ import torch
 
 from mixprec.masters.base import MasterWeights
 from mixprec.masters.buckets import _Bucket, _flat, _flat_buffer, _Slot
-from mixprec.masters.rounding import join_fp32, kahan_add_, split_fp32, stochastic_round_bf16
+from mixprec.masters.rounding import draw_key, join_fp32, kahan_add_, random_bits16, round_bf16_with_bits, split_fp32
 from mixprec.masters.rules import ParamRule
 
 
@@ -63,6 +63,7 @@ class KahanMasters(MasterWeights):
     """No master: each update is added to the 16-bit weight with a 16-bit Kahan compensation."""
 
     kind = "kahan"
+    uses_kernels = True
     extra_bytes = 2
     temp_bytes = 22  # the compensated addition in fp32
     description = "16-bit weights updated with a 16-bit Kahan compensation buffer"
@@ -71,11 +72,18 @@ class KahanMasters(MasterWeights):
         super()._init_bucket(b, values_32)
         _flat_buffer(b, "comp", torch.zeros(b.numel, dtype=self.storage_dtype, device=b.device))
 
+    def _materialize_flat(self, b: _Bucket) -> torch.Tensor:
+        b.params_16 = self._flat_params(b)  # kept for the write-back: the parameters do not change in between
+        return b.params_16.to(torch.float32)
+
     def _write_back_bucket(self, b: _Bucket) -> None:
         p_16 = self._flat_params(b)
-        # the update, stepped - p: as -p + stepped (the same bits) on p made fp32 first, which is
-        # 3-5x faster on a CPU than one mixed-dtype op, in the same one new fp32 buffer
-        kahan_add_(p_16, b.extra["comp"], p_16.float().neg_().add_(self._stepped_values(b)))
+        if self.kernels.compile:  # one fused pass (mixprec.masters.kernels), bit for bit the lines below
+            p_16 = self.kernels("kahan", p_16, b.extra["comp"], self._stepped_values(b))
+        else:
+            # the update, stepped - p: as -p + stepped (the same bits) on p made fp32 first, which is
+            # 3-5x faster on a CPU than one mixed-dtype op, in the same one new fp32 buffer
+            kahan_add_(p_16, b.extra["comp"], p_16.float().neg_().add_(self._stepped_values(b)))
         self._store_params(b, p_16)
 
     def master_value(self, slot: _Slot) -> torch.Tensor:
@@ -99,6 +107,7 @@ class StochasticRoundingMasters(MasterWeights):
     """
 
     kind = "sr"
+    uses_kernels = True
     extra_bytes = 0
     draws_on_write = True
     temp_bytes = 11  # the random bits, the finiteness test and the rounded result
@@ -108,6 +117,11 @@ class StochasticRoundingMasters(MasterWeights):
         super().__init__(storage_dtype, fp32_params)
         self.seed = seed
         self.generators: dict[str, torch.Generator] = {}
+        # One key per step and device, drawn at its first write-back; each element's random bits
+        # come from its place in the device's stream of elements, so buckets cut it anywhere.
+        self._keys: dict[str, torch.Tensor] = {}
+        self._key_bufs: dict[str, torch.Tensor] = {}  # (drawn into in place: a step allocates nothing for them)
+        self._starts: dict[int, tuple[int, torch.Tensor]] = {}  # id(bucket) -> its first element in the stream
 
     def _generator(self, device: torch.device) -> torch.Generator:
         key = str(device)
@@ -121,9 +135,33 @@ class StochasticRoundingMasters(MasterWeights):
     def _init_bucket(self, b: _Bucket, values_32: list[torch.Tensor]) -> None:
         super()._init_bucket(b, values_32)  # the starting point is rounded to nearest: no noise before training
         self._generator(b.device)
+        if id(b) not in self._starts:  # where each bucket starts in its device's stream, and the key buffers
+            seen: dict[str, int] = {}
+            for bb in self.buckets:
+                at = seen.get(str(bb.device), 0)
+                self._starts[id(bb)] = (at, torch.tensor(at, dtype=torch.int64, device=bb.device))
+                seen[str(bb.device)] = at + bb.numel
+                if str(bb.device) not in self._key_bufs:
+                    self._key_bufs[str(bb.device)] = torch.zeros(2, dtype=torch.int64, device=bb.device)
 
     def _write_back_bucket(self, b: _Bucket) -> None:
-        self._store_params(b, stochastic_round_bf16(self._stepped_values(b), self._generator(b.device)))
+        stepped = self._stepped_values(b)
+        key = self._keys.get(str(b.device))
+        if key is None:
+            key = self._keys[str(b.device)] = draw_key(self._generator(b.device), b.device, out=self._key_bufs[str(b.device)])
+        start, start_t = self._starts[id(b)]
+        if self.kernels.compile:  # one fused pass (mixprec.masters.kernels): the same bits
+            self._store_params(b, self.kernels("sr", stepped, key, start_t))
+        else:
+            self._store_params(b, round_bf16_with_bits(stepped, random_bits16(stepped.numel(), key, start)))
+
+    def after_step(self) -> None:
+        super().after_step()
+        self._keys = {}  # the next step draws new ones
+
+    def abort_step(self) -> None:
+        super().abort_step()
+        self._keys = {}
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
@@ -145,6 +183,7 @@ class RemainderMasters(MasterWeights):
     """
 
     kind = "remainder"
+    uses_kernels = True
     extra_bytes = 2
     temp_bytes = 11  # joining and splitting bit patterns
     description = "bf16 weights + int16 remainders = an exact fp32 master"
@@ -155,12 +194,10 @@ class RemainderMasters(MasterWeights):
         _flat_buffer(b, "rem", rem)
 
     def _materialize_flat(self, b: _Bucket) -> torch.Tensor:
-        return join_fp32(self._flat_params(b), b.extra["rem"])
+        return self.kernels("join", self._flat_params(b), b.extra["rem"])
 
     def _write_back_bucket(self, b: _Bucket) -> None:
-        high, rem = split_fp32(self._stepped_values(b))
-        self._store_params(b, high)
-        b.extra["rem"].copy_(rem)
+        self._store_params(b, self.kernels("split", self._stepped_values(b), b.extra["rem"]))
 
     def master_value(self, slot: _Slot) -> torch.Tensor:
         return join_fp32(slot.param.data, slot.extra["rem"])
