@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.diagnostics._stats import floating_tensors
+from mixprec.diagnostics._stats import _version, floating_tensors
 
 MAX_PENDING = 16  # forwards kept for a backward that has not come (their inputs are held)
 
@@ -49,13 +49,6 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
         elif isinstance(v, dict):
             stack.extend(v.values())
     return out
-
-
-def _version(t: torch.Tensor) -> int:
-    try:
-        return t._version
-    except RuntimeError:  # inference tensors have no version counter
-        return -1
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
