@@ -69,6 +69,7 @@ def _rank(rank: int, args: argparse.Namespace, store: str, out: str) -> None:
         result[f"gather8={gather8}"] = {"bytes_per_step": sum(sent) / args.steps, "calls_per_step": len(sent) / args.steps,
                                         "step_s": wall / args.steps, "params_sha1": h.hexdigest(),
                                         "fp8_weight_elements_per_rank": n8}
+    dist.barrier()  # every rank done with its collectives before the group is torn down
     dist.destroy_process_group()
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
 

@@ -112,6 +112,7 @@ def main() -> int:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=2)
+    dist.barrier()  # every rank done with its collectives before the group is torn down
     dist.destroy_process_group()
     return 0 if all(r[p]["equal"] for r in results["recipes"].values() for p in ("fsdp", "ddp")) else 1
 

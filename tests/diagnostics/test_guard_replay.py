@@ -402,6 +402,7 @@ def _ddp_rank(rank: int, port: int, out: str) -> None:
         mp.step(((model(torch.ones(2, 4)) - y) ** 2).mean(), torch.optim.SGD(mp.parameters(model), lr=0.1))
         with open(f"{out}.{rank}", "w") as f:
             json.dump([e.to_dict() for e in mp.guard.events], f)
+        dist.barrier()  # no rank tears its group down while the other still has work in flight (gloo aborts)
     finally:
         dist.destroy_process_group()
 

@@ -167,6 +167,7 @@ def main() -> None:
                             timeout=datetime.timedelta(seconds=60))
     try:
         result = {"match": match}[scenario]()
+        dist.barrier()  # no rank tears its group down while the other still has work in flight (gloo aborts)
     finally:
         dist.destroy_process_group()
     (out / f"rank{RANK}.json").write_text(json.dumps(result))
