@@ -55,7 +55,11 @@ def test_fp8_all_gather_is_refused_where_it_cannot_apply(recipe, options, match)
     from mixprec.distributed import FSDP
     from mixprec.distributed.prepare import local_problems
 
+    from mixprec.seam import Local
+
     mp = MixedPrecision(recipe, "cpu", fp8=options)
-    found = local_problems(mp, tiny_gpt(), FSDP(fp8_all_gather=True))
+    local = Local(mp.recipe, mp.device, mp.scaler, mp.accumulate, mp.fp32_modules, mp.masters, mp._prepare, False,
+                  mp.fp8_spec)  # what prepare(parallel=...) hands the strategy (the seam)
+    found = local_problems(local, tiny_gpt(), FSDP(fp8_all_gather=True))
     assert len(found) == 1 and re.search(match, found[0]), found  # one reason, said before any collective
     assert problem(MixedPrecision("fp8-current", "cpu").fp8_spec) is None
