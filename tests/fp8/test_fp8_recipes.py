@@ -252,3 +252,32 @@ def test_the_recipes_listing_shows_the_fp8_recipes(capsys):
     out = capsys.readouterr().out
     for name in ("fp8-current", "fp8-delayed", "fp8-unscaled"):
         assert name in out
+
+
+@pytest.mark.parametrize("recipe, options, other", [
+    ("fp8-current", {"scaling": "delayed"}, "fp8-delayed"),
+    ("fp8-current", {"scaling": "none"}, "fp8-unscaled"),  # the UNSAFE baseline under the recommended recipe's name
+    ("fp8", {"scaling": "delayed", "amax_history_len": 16}, "fp8-delayed"),
+    ("fp8-delayed", {"scaling": "current"}, "fp8-current"),
+    ("fp8-delayed", Fp8Spec(scaling="current"), "fp8-current"),  # a whole spec too
+    ("fp8-current", Fp8Spec(scaling="delayed"), "fp8-delayed"),
+])
+def test_fp8_options_cannot_run_another_scaling_under_the_recipes_name(recipe, options, other):
+    # found by qa: MixedPrecision("fp8-current", fp8={"scaling": "none"}) trained the unscaled baseline, and
+    # describe(), compare and every report called it fp8-current
+    with pytest.raises(ValueError, match=rf"would run {other}'s scaling under the name '{get_recipe(recipe).name}'"
+                                         rf".*MixedPrecision\('{other}'"):
+        MixedPrecision(recipe, "cpu", fp8=options)
+    MixedPrecision(recipe, "cpu", fp8={"scaling": get_recipe(recipe).fp8.scaling})  # the recipe's own: fine
+
+
+@pytest.mark.parametrize("recipe", ["fp8-delayed", "fp8-unscaled"])
+def test_power_of_two_scales_outside_current_scaling_are_refused_not_ignored(recipe):
+    # found by qa: fp8-delayed with pow2_scales=True trained with scales like 257.15 and 3533.0 (the option is
+    # read by current scaling only) while describe() said "power-of-two scales"
+    with pytest.raises(ValueError, match=r"pow2_scales applies to current scaling only .* would be ignored"):
+        MixedPrecision(recipe, "cpu", fp8={"pow2_scales": True})
+    with pytest.raises(ValueError, match="pow2_scales applies to current scaling only"):
+        Fp8Spec("delayed", pow2_scales=True)
+    assert Fp8Spec("current", pow2_scales=True).pow2_scales  # where it acts: kept
+

@@ -21,7 +21,7 @@ from torch import nn
 
 from mixprec.fp8 import delayed, weight_cache
 from mixprec.fp8.dist import amax_group, buffer_names, reduce_amax_
-from mixprec.fp8.options import check_options
+from mixprec.fp8.options import check_options, check_scaling
 from mixprec.fp8.swap import Decision, backend_for, fp8_layers, swap
 
 
@@ -56,14 +56,17 @@ def with_options(recipe: Any, options: Any) -> Any:
     if recipe.fp8 is None:
         raise ValueError(f"fp8= applies to fp8 recipes (fp8-current, fp8-delayed); {recipe.name!r} is not one")
     if isinstance(options, Fp8Spec):
-        return options
-    if not isinstance(options, dict):
+        spec = options
+    elif not isinstance(options, dict):
         raise TypeError(f"fp8 options are a dict of Fp8Spec fields or an Fp8Spec, got {type(options).__name__}")
-    fields = [f.name for f in dataclasses.fields(Fp8Spec)]
-    if set(options) - set(fields):
-        raise ValueError(f"unknown fp8 option(s) {sorted(set(options) - set(fields))}; expected some of {', '.join(fields)}")
-    spec = dataclasses.replace(recipe.fp8, **options)
-    check_options(spec.scaling, options)
+    else:
+        fields = [f.name for f in dataclasses.fields(Fp8Spec)]
+        if set(options) - set(fields):
+            raise ValueError(f"unknown fp8 option(s) {sorted(set(options) - set(fields))}; expected some of "
+                             f"{', '.join(fields)}")
+        spec = dataclasses.replace(recipe.fp8, **options)
+        check_options(spec.scaling, options)
+    check_scaling(recipe, spec)
     return spec
 
 
