@@ -281,3 +281,15 @@ def test_power_of_two_scales_outside_current_scaling_are_refused_not_ignored(rec
         Fp8Spec("delayed", pow2_scales=True)
     assert Fp8Spec("current", pow2_scales=True).pow2_scales  # where it acts: kept
 
+
+@pytest.mark.parametrize("island", ["blocks.0", "blocks"])
+def test_a_linear_inside_an_fp32_island_stays_out_of_fp8(island):
+    # found by qa: fp32_modules=["blocks.0"] ran blocks.0's Linears in fp8 (an island is fp32: fp8 is less than bf16)
+    mp = MixedPrecision("fp8-current", "cpu", fp32_modules=[island], fp8={"skip_first_last": False})
+    model = mp.prepare(tiny_gpt())
+    inside = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n.startswith(island + ".")]
+    assert inside and not any(isinstance(dict(model.named_modules())[n], Fp8Linear) for n in inside)
+    text = mp.describe()
+    assert all(f"inside the fp32 island {island!r}" in line for line in text.splitlines()
+               if line.split() and line.split()[0] in inside)
+    assert all(line.split()[2] == "fp32" for line in text.splitlines() if line.split() and line.split()[0] in inside)
