@@ -180,6 +180,16 @@ def test_a_model_with_no_eligible_linear_is_refused_instead_of_training_bf16_mix
                                        r"\(0: 10x20: fp8 GEMMs need .*train as bf16-mixed under the name 'fp8-current'"):
         mp.prepare(model)
     assert not any(isinstance(m, Fp8Linear) for m in model.modules())
+    with pytest.raises(Fp8Error) as e:  # found by qa: it advised exclude=() and skip_first_last=False, which change nothing here
+        mp.prepare(nn.Sequential(nn.Linear(10, 20), nn.ReLU(), nn.Linear(20, 3)))
+    assert "exclude" not in str(e.value) and "skip_first_last" not in str(e.value), str(e.value)
+    wide = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 48))  # the first and the last: skip_first_last
+    with pytest.raises(Fp8Error, match=r"fp8=\{'skip_first_last': False\}") as e:
+        MixedPrecision("fp8-current", "cpu").prepare(wide)
+    assert "'exclude'" not in str(e.value)
+    with pytest.raises(Fp8Error, match=r"fp8=\{'exclude': \(\)\}"):
+        MixedPrecision("fp8-current", "cpu", fp8={"exclude": ("0", "2"), "skip_first_last": False}).prepare(
+            nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 48), nn.Linear(48, 5)))
     with pytest.raises(Fp8Error, match="it has no nn.Linear or Conv1D at all"):
         MixedPrecision("fp8", "cpu").prepare(nn.Sequential(nn.ReLU()))
     assert issubclass(Fp8Error, ValueError)
