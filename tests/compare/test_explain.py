@@ -34,6 +34,17 @@ def test_explain_names_the_planted_module_and_a_fix_verified_over_all_steps(vari
     assert e.capture.reproduced is True
 
 
+def test_a_16_bit_reduction_fed_by_the_island_found_is_the_cause_that_holds():
+    # found by qa: when the norm computing the variance had a projection of its own, the search's smallest set was
+    # the projection (its fp32 output feeds the variance in fp32), and the 16-bit reduction, the planted cause,
+    # was REJECTED ("no reduction that ran in 16 bits is inside an island set that fixes it")
+    e = mixprec.explain(make_variance_task(projected=True), "bf16-mixed", device="cpu", threads=1)
+    assert e.status == "FIXED" and e.culprits == ["blocks.1.std.proj"], (e.status, e.culprits)
+    loss = e.finding("loss")
+    assert loss.status == "HOLDS", loss.conclusion
+    assert "mean (bf16) in blocks.1.std, fed in fp32 by the island set found (blocks.1.std.proj)" in loss.conclusion
+
+
 def test_the_fix_code_runs_as_written_and_tracks(variance_explained):
     from mixprec import MixedPrecision  # noqa: F401  (the name the code uses)
 
