@@ -24,7 +24,7 @@ CLI_CASES = [
     (["compare", "--backend", "jax", "--recipes", "fp8-current", "--task", "jax_tasks:make_task", "--out", ""], 2,
      "computes no dot through recipe.dot_general"),
     (["compare", "--backend", "jax", "--recipes", "bf16-true-kahan", "--out", ""], 2, "only the torch side implements"),
-    (["compare", "--backend", "jax", "--nproc", "2", "--out", ""], 2, "--backend jax runs in one process"),
+    (["compare", "--backend", "jax", "--nproc", "2", "--out", ""], 2, "--backend jax has no data-parallel runs"),
 ]
 
 
