@@ -233,6 +233,9 @@ def compare(
         raise ValueError(f"steps={steps!r}: need an integer >= 2")
     if threads is not None and (not isinstance(threads, int) or threads < 1):
         raise ValueError(f"threads={threads!r}: need a positive integer or None")
+    for name, fn in (("progress", progress), ("on_run", on_run)):
+        if fn is not None and not callable(fn):
+            raise TypeError(f"{name}={fn!r}: need a function (it is called as training goes), or None")
     if out is not None:
         from mixprec.comparison.report import check_out_dir
 

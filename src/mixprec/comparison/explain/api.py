@@ -74,6 +74,8 @@ def explain(
     Returns an ``Explanation``; ``status`` is TRACKS when there was nothing to explain.
     """
     t0 = time.perf_counter()
+    if progress is not None and not callable(progress):
+        raise TypeError(f"progress={progress!r}: need a function called with each line (print works), or None")
     say = progress or (lambda _m: None)
     if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
         raise ValueError(f"jobs={jobs!r}: need a positive integer (candidate runs trained at once)")
