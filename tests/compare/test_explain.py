@@ -117,6 +117,21 @@ def test_fix_code_names_a_registered_recipe_when_the_change_makes_one():
     assert c.code(get_recipe("fp16-mixed")) == "MixedPrecision('fp16-mixed', scaler={'init_scale': 2.0**10})"
 
 
+def test_the_scaling_fixes_for_unscaled_fp8_are_the_registered_fp8_recipes_not_one_under_the_baselines_name():
+    # found by qa: the verified fix for fp8-unscaled was MixedPrecision(dataclasses.replace(get_recipe('fp8-unscaled'),
+    # fp8=Fp8Spec(scaling='current', ...))): pasted, it ran current scaling under the name fp8-unscaled (and needed
+    # an import the line does not show)
+    from mixprec import MixedPrecision  # noqa: F401  (the name the code uses)
+    from mixprec.comparison.explain.hypotheses import scale_candidates
+
+    base = get_recipe("fp8-unscaled")
+    _, cands = scale_candidates(base, None, None, 10)
+    assert [c.code(base) for c in cands] == ["MixedPrecision('fp8-current')", "MixedPrecision('fp8-delayed')"]
+    for c in cands:
+        mp = eval(c.code(base))
+        assert mp.recipe.name == c.recipe.name and mp.recipe.fp8.scaling == c.recipe.fp8.scaling != "none"
+
+
 def _cli(argv, capsys):
     from mixprec.cli import main
 
