@@ -35,6 +35,9 @@ CLI_CASES = [
     (["compare", "--nproc", "100000", "--out", ""], 2, "or pass --force-nproc to start them anyway"),
     (["compare", "--parallel", "fsdp", "--out", ""], 2, "without --nproc every run trains on one process"),
     (["compare", "--nproc", "1", "--parallel", "ddp", "--out", ""], 2, "Add --nproc 2 (or more), or drop --parallel"),
+    # found by qa: accepted and ignored
+    (["compare", "--force-nproc", "--out", ""], 2, "without --nproc (N > 1) every run trains on one process. Add --nproc N, or drop --force-nproc"),
+    (["compare", "--backend", "jax", "--force-nproc", "--out", ""], 2, "drop --force-nproc"),
     (["compare", "--backend", "jax", "--nproc", "2", "--out", ""], 2, "--backend jax has no data-parallel runs"),
     (["compare", "--backend", "jax", "--parallel", "fsdp", "--out", ""], 2, "--backend jax has no data-parallel runs"),
     (["compare", "--nproc", "2", "--force-nproc", "--parallel", "fsdp", "--recipes", "bf16-true-kahan", "--out", ""],
