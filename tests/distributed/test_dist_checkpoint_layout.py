@@ -221,6 +221,12 @@ def test_a_damaged_checkpoint_is_refused_and_nothing_is_loaded(saved, tmp_path, 
         assert all(torch.equal(p, saved[1][n]) for n, p in params_of(model).items())
 
 
+def test_checksums_is_a_bool_not_something_truthy(saved):
+    mp, model, opt = build()
+    with pytest.raises(TypeError, match=r"checksums must be True .* or False \(sizes only\), got 'no'"):
+        load_checkpoint(saved[0], model=model, optimizer=opt, mp=mp, checksums="no")
+
+
 def test_checksums_false_checks_sizes_but_not_the_crc(saved, tmp_path):
     root = _copy_root(saved, tmp_path)
     _damage("flipped", root)

@@ -338,6 +338,8 @@ def load_checkpoint(path: str | Path, *, model: nn.Module, optimizer: Any, mp: A
     import torch.distributed.checkpoint as dcp
 
     _check_args(model, mp, scheduler)
+    if not isinstance(checksums, bool):  # ("no" is truthy: it checked every CRC)
+        raise TypeError(f"checksums must be True (check each file's CRC-32) or False (sizes only), got {checksums!r}")
     opts = _opts(optimizer)
     rank, world = _rank_world()
 
