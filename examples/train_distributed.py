@@ -39,6 +39,15 @@ def main(argv: list[str] | None = None) -> float:
                         help="seconds a collective may wait for the other ranks before it raises (a rank that died "
                              "or stopped); torch's default is 30 minutes (default: %(default)g)")
     args = parser.parse_args(argv)
+    # said now, not after the training run: a --keep that save_checkpoint refuses, or one nothing would read
+    if args.keep is not None and args.keep < 1:
+        parser.error(f"--keep {args.keep}: keep at least 1 checkpoint (or leave it out to keep them all)")
+    if args.keep is not None and not args.checkpoint:
+        parser.error("--keep applies to the checkpoints --checkpoint saves; add --checkpoint DIR")
+    if not args.timeout > 0:
+        parser.error(f"--timeout {args.timeout:g}: give the seconds a collective may wait, > 0")
+    if args.steps < 0 or args.batch < 1:
+        parser.error(f"--steps {args.steps} --batch {args.batch}: --steps must be >= 0 and --batch >= 1")
 
     cuda = args.device.startswith("cuda")
     local_rank = int(os.environ.get("LOCAL_RANK", 0))

@@ -35,6 +35,9 @@ CLI_CASES = [
     (["compare", "--nproc", "100000", "--out", ""], 2, "or pass --force-nproc to start them anyway"),
     (["compare", "--parallel", "fsdp", "--out", ""], 2, "without --nproc every run trains on one process"),
     (["compare", "--nproc", "1", "--parallel", "ddp", "--out", ""], 2, "Add --nproc 2 (or more), or drop --parallel"),
+    # found by qa: accepted and ignored
+    (["compare", "--force-nproc", "--out", ""], 2, "without --nproc (N > 1) every run trains on one process. Add --nproc N, or drop --force-nproc"),
+    (["compare", "--backend", "jax", "--force-nproc", "--out", ""], 2, "drop --force-nproc"),
     (["compare", "--backend", "jax", "--nproc", "2", "--out", ""], 2, "--backend jax has no data-parallel runs"),
     (["compare", "--backend", "jax", "--parallel", "fsdp", "--out", ""], 2, "--backend jax has no data-parallel runs"),
     (["compare", "--nproc", "2", "--force-nproc", "--parallel", "fsdp", "--recipes", "bf16-true-kahan", "--out", ""],
@@ -203,6 +206,18 @@ def _torch_scaler_state():
     return torch.amp.GradScaler("cpu").state_dict() | {"scale": 8.0, "_growth_tracker": 0}
 
 
+def _compare_progress(value, name="progress"):
+    def run():
+        from mixprec import compare
+        compare("fragile", ("bf16-mixed",), steps=2, threads=1, **{name: value})
+    return run
+
+
+def _explain_progress():
+    from mixprec import explain
+    explain("fragile", "bf16-pure", device="cpu", steps=2, progress=True)
+
+
 API_CASES = [
     (_step_without_prepare, RuntimeError, "call model = mp.prepare(model) before training"),
     (_optimizer_over_another_module, ValueError, "holds none of the parameters of the prepared Sequential"),
@@ -217,6 +232,10 @@ API_CASES = [
     (_update(8), TypeError, "write 8.0"),
     (_update(True), TypeError, "Got bool True"),
     (_update(0.0), ValueError, "new_scale must be a finite float > 0"),
+    # found by qa: progress=True ('show progress') trained, then raised "'bool' object is not callable"
+    (_compare_progress(True), TypeError, "progress=True: need a function"),
+    (_compare_progress("rich", "on_run"), TypeError, "on_run='rich': need a function"),
+    (_explain_progress, TypeError, "progress=True: need a function called with each line (print works)"),
 ]
 
 

@@ -6,7 +6,8 @@ Importable as ``explain_tasks:make_...`` (tests/ and tests/compare/ are on the p
 - ``make_variance_task``: a hand-written normalisation (``Standardize``, not a class the recipes
   know as a norm) computes its variance as E[x^2] - E[x]^2 in the dtype it receives. Its input has
   a mean of ~8 and a spread of ~0.5: in bf16 (spacing 0.5 at 64) the two terms cancel to 0 or to
-  noise, in fp32 they do not. Planted in ``blocks.1.std`` only.
+  noise, in fp32 they do not. Planted in ``blocks.1.std`` only. ``projected=True``: the norm has a
+  projection of its own that feeds the variance (``ProjectedStandardize``).
 - ``make_long_sum_task``: a running mean over a sequence computed as a running sum, one add per
   position, in the dtype it receives (a scan written as a loop). In bf16 the sum reaches ~300,
   where the spacing is 2: each add of ~3 rounds by up to a third of itself. Planted in ``mix``.
@@ -54,25 +55,51 @@ class Standardize(nn.Module):
         return (x - mean) / torch.sqrt(var.clamp_min(0) + 1e-4)
 
 
+class ProjectedStandardize(Standardize):
+    """``Standardize`` after a fixed projection of its own that adds the offset: it receives the fp32
+    residual stream, its projection computes in the autocast dtype and feeds the 16-bit variance.
+    Making the projection an island feeds the variance in fp32, so the search's smallest set is
+    ``std.proj``, while the fault is the reduction in ``std``'s own code."""
+
+    def __init__(self, width: int, offset: float) -> None:
+        super().__init__()
+        self.proj = nn.Linear(width, width)
+        with torch.no_grad():
+            self.proj.weight.copy_(torch.eye(width))
+            self.proj.bias.fill_(offset)
+        self.proj.requires_grad_(False)  # a fixed map
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(self.proj(x))
+
+
 class Block(nn.Module):
-    def __init__(self, width: int, planted: bool, offset: float = 8.0) -> None:
+    def __init__(self, width: int, planted: bool, offset: float = 8.0, projected: bool = False) -> None:
         super().__init__()
         self.fc = nn.Linear(width, width)
         with torch.no_grad():  # activations of mean ~offset: the cancellation that bf16 cannot survive
             self.fc.bias.fill_(offset if planted else 0.0)
             self.fc.weight.mul_(0.5)
-        self.std = Standardize() if planted else nn.LayerNorm(width, elementwise_affine=False)
+        if planted and projected:  # the offset is the norm's own: its input is the fp32 residual stream (below)
+            with torch.no_grad():
+                self.fc.bias.zero_()
+        self.projected = planted and projected
+        self.std = ((ProjectedStandardize(width, 4 * offset) if projected else Standardize()) if planted
+                    else nn.LayerNorm(width, elementwise_affine=False))
         self.act = nn.Tanh()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.projected:
+            return x + self.act(self.std(x.float() + self.fc(x)))  # (an island hands back the dtype it got: fp32)
         return x + self.act(self.std(self.fc(x)))
 
 
 class Net(nn.Module):
-    def __init__(self, width: int, depth: int, planted: int, d_in: int = 16, d_out: int = 4) -> None:
+    def __init__(self, width: int, depth: int, planted: int, d_in: int = 16, d_out: int = 4,
+                 projected: bool = False) -> None:
         super().__init__()
         self.inp = nn.Linear(d_in, width)
-        self.blocks = nn.ModuleList(Block(width, i == planted) for i in range(depth))
+        self.blocks = nn.ModuleList(Block(width, i == planted, projected=projected) for i in range(depth))
         self.head = nn.Linear(width, d_out)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -82,10 +109,11 @@ class Net(nn.Module):
         return self.head(h)
 
 
-def make_variance_task(steps: int = 60, width: int = 32, depth: int = 3, planted: int = 1) -> Task:
+def make_variance_task(steps: int = 60, width: int = 32, depth: int = 3, planted: int = 1,
+                       projected: bool = False) -> Task:
     return Task(
         name="planted-variance",
-        build_model=lambda: Net(width, depth, planted),
+        build_model=lambda: Net(width, depth, planted, projected=projected),
         get_batch=lambda step: _regression_batch(step, 16, 4),
         loss_fn=nn.functional.mse_loss,
         build_optimizer=lambda p: torch.optim.Adam(p, lr=3e-3),

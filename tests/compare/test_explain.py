@@ -34,6 +34,17 @@ def test_explain_names_the_planted_module_and_a_fix_verified_over_all_steps(vari
     assert e.capture.reproduced is True
 
 
+def test_a_16_bit_reduction_fed_by_the_island_found_is_the_cause_that_holds():
+    # found by qa: when the norm computing the variance had a projection of its own, the search's smallest set was
+    # the projection (its fp32 output feeds the variance in fp32), and the 16-bit reduction, the planted cause,
+    # was REJECTED ("no reduction that ran in 16 bits is inside an island set that fixes it")
+    e = mixprec.explain(make_variance_task(projected=True), "bf16-mixed", device="cpu", threads=1)
+    assert e.status == "FIXED" and e.culprits == ["blocks.1.std.proj"], (e.status, e.culprits)
+    loss = e.finding("loss")
+    assert loss.status == "HOLDS", loss.conclusion
+    assert "mean (bf16) in blocks.1.std, fed in fp32 by the island set found (blocks.1.std.proj)" in loss.conclusion
+
+
 def test_the_fix_code_runs_as_written_and_tracks(variance_explained):
     from mixprec import MixedPrecision  # noqa: F401  (the name the code uses)
 
@@ -104,6 +115,21 @@ def test_fix_code_names_a_registered_recipe_when_the_change_makes_one():
         "dataclasses.replace(recipe, static_scale=2.0**14)  # recipe: your 'mine'"
     c = Candidate("scale", "initial scale", get_recipe("fp16-mixed"), (("scaler", {"init_scale": 2.0**10}),))
     assert c.code(get_recipe("fp16-mixed")) == "MixedPrecision('fp16-mixed', scaler={'init_scale': 2.0**10})"
+
+
+def test_the_scaling_fixes_for_unscaled_fp8_are_the_registered_fp8_recipes_not_one_under_the_baselines_name():
+    # found by qa: the verified fix for fp8-unscaled was MixedPrecision(dataclasses.replace(get_recipe('fp8-unscaled'),
+    # fp8=Fp8Spec(scaling='current', ...))): pasted, it ran current scaling under the name fp8-unscaled (and needed
+    # an import the line does not show)
+    from mixprec import MixedPrecision  # noqa: F401  (the name the code uses)
+    from mixprec.comparison.explain.hypotheses import scale_candidates
+
+    base = get_recipe("fp8-unscaled")
+    _, cands = scale_candidates(base, None, None, 10)
+    assert [c.code(base) for c in cands] == ["MixedPrecision('fp8-current')", "MixedPrecision('fp8-delayed')"]
+    for c in cands:
+        mp = eval(c.code(base))
+        assert mp.recipe.name == c.recipe.name and mp.recipe.fp8.scaling == c.recipe.fp8.scaling != "none"
 
 
 def _cli(argv, capsys):

@@ -27,6 +27,27 @@ def test_parallel_names_and_configs():
         FSDP(units="Block")
 
 
+@pytest.mark.parametrize("make, message", [
+    # found by qa: each was accepted; "no" is truthy, so FSDP(fp8_all_gather="no") gathered in fp8 and
+    # reshard_after_forward="no" resharded
+    (lambda: FSDP(fp8_all_gather="no"), "FSDP(fp8_all_gather=...) is True or False, got 'no'"),
+    (lambda: FSDP(fp8_all_gather=1), "FSDP(fp8_all_gather=...) is True or False, got 1"),
+    (lambda: FSDP(reshard_after_forward="no"), "FSDP(reshard_after_forward=...) is True or False"),
+    (lambda: DDP(find_unused_parameters="yes"), "DDP(find_unused_parameters=...) is True or False, got 'yes'"),
+    (lambda: DDP(broadcast_buffers=None), "DDP(broadcast_buffers=...) is True or False, got None"),
+    (lambda: DDP(gradient_as_bucket_view=0), "DDP(gradient_as_bucket_view=...) is True or False, got 0"),
+    (lambda: DDP(bucket_cap_mb=0), "DDP(bucket_cap_mb=...) is a positive number of megabytes or None, got 0"),
+    (lambda: DDP(bucket_cap_mb="25"), "DDP(bucket_cap_mb=...) is a positive number of megabytes or None, got '25'"),
+    (lambda: FSDP(mesh=3), "FSDP(mesh=...) is a torch.distributed.device_mesh.DeviceMesh (init_device_mesh) or None, got int"),
+])
+def test_options_of_the_wrong_type_are_refused_not_read_as_truthy(make, message):
+    import re
+
+    with pytest.raises((TypeError, ValueError), match=re.escape(message)):
+        make()
+    assert FSDP(reshard_after_forward=False).reshard_after_forward is False and DDP(bucket_cap_mb=25).bucket_cap_mb == 25
+
+
 def test_prepare_without_a_process_group_says_how_to_make_one():
     mp = mixprec.MixedPrecision("bf16-mixed", "cpu")
     with pytest.raises(ValueError, match="init_process_group.*torchrun.*drop parallel="):

@@ -38,6 +38,25 @@ def test_the_torchrun_example_trains_saves_and_resumes(tmp_path):
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["latest", "step-000022"]  # keep 1
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--checkpoint", "ck", "--keep", "0"], "--keep 0: keep at least 1 checkpoint"),
+    (["--keep", "2"], "--keep applies to the checkpoints --checkpoint saves; add --checkpoint DIR"),
+    (["--timeout", "0"], "--timeout 0: give the seconds a collective may wait, > 0"),
+    (["--timeout", "-5"], "--timeout -5"),
+    (["--steps", "-3"], "--steps must be >= 0 and --batch >= 1"),
+    (["--batch", "0"], "--steps must be >= 0 and --batch >= 1"),
+])
+def test_the_examples_bad_options_are_refused_before_any_process_group_or_training(argv, message, capsys):
+    # found by qa: --keep 0 trained the whole run and then failed at the save; --keep without --checkpoint was
+    # ignored; --timeout 0 ended in torch's "client socket has timed out after 0ms" with C++ frames
+    import runpy
+
+    main = runpy.run_path(str(EXAMPLE), run_name="example")["main"]
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
 def _children(pid: int) -> list[int]:
     out = []
     for entry in Path("/proc").iterdir():

@@ -180,6 +180,16 @@ def test_a_model_with_no_eligible_linear_is_refused_instead_of_training_bf16_mix
                                        r"\(0: 10x20: fp8 GEMMs need .*train as bf16-mixed under the name 'fp8-current'"):
         mp.prepare(model)
     assert not any(isinstance(m, Fp8Linear) for m in model.modules())
+    with pytest.raises(Fp8Error) as e:  # found by qa: it advised exclude=() and skip_first_last=False, which change nothing here
+        mp.prepare(nn.Sequential(nn.Linear(10, 20), nn.ReLU(), nn.Linear(20, 3)))
+    assert "exclude" not in str(e.value) and "skip_first_last" not in str(e.value), str(e.value)
+    wide = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 48))  # the first and the last: skip_first_last
+    with pytest.raises(Fp8Error, match=r"fp8=\{'skip_first_last': False\}") as e:
+        MixedPrecision("fp8-current", "cpu").prepare(wide)
+    assert "'exclude'" not in str(e.value)
+    with pytest.raises(Fp8Error, match=r"fp8=\{'exclude': \(\)\}"):
+        MixedPrecision("fp8-current", "cpu", fp8={"exclude": ("0", "2"), "skip_first_last": False}).prepare(
+            nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 48), nn.Linear(48, 5)))
     with pytest.raises(Fp8Error, match="it has no nn.Linear or Conv1D at all"):
         MixedPrecision("fp8", "cpu").prepare(nn.Sequential(nn.ReLU()))
     assert issubclass(Fp8Error, ValueError)
@@ -252,3 +262,44 @@ def test_the_recipes_listing_shows_the_fp8_recipes(capsys):
     out = capsys.readouterr().out
     for name in ("fp8-current", "fp8-delayed", "fp8-unscaled"):
         assert name in out
+
+
+@pytest.mark.parametrize("recipe, options, other", [
+    ("fp8-current", {"scaling": "delayed"}, "fp8-delayed"),
+    ("fp8-current", {"scaling": "none"}, "fp8-unscaled"),  # the UNSAFE baseline under the recommended recipe's name
+    ("fp8", {"scaling": "delayed", "amax_history_len": 16}, "fp8-delayed"),
+    ("fp8-delayed", {"scaling": "current"}, "fp8-current"),
+    ("fp8-delayed", Fp8Spec(scaling="current"), "fp8-current"),  # a whole spec too
+    ("fp8-current", Fp8Spec(scaling="delayed"), "fp8-delayed"),
+])
+def test_fp8_options_cannot_run_another_scaling_under_the_recipes_name(recipe, options, other):
+    # found by qa: MixedPrecision("fp8-current", fp8={"scaling": "none"}) trained the unscaled baseline, and
+    # describe(), compare and every report called it fp8-current
+    with pytest.raises(ValueError, match=rf"would run {other}'s scaling under the name '{get_recipe(recipe).name}'"
+                                         rf".*MixedPrecision\('{other}'"):
+        MixedPrecision(recipe, "cpu", fp8=options)
+    MixedPrecision(recipe, "cpu", fp8={"scaling": get_recipe(recipe).fp8.scaling})  # the recipe's own: fine
+
+
+@pytest.mark.parametrize("recipe", ["fp8-delayed", "fp8-unscaled"])
+def test_power_of_two_scales_outside_current_scaling_are_refused_not_ignored(recipe):
+    # found by qa: fp8-delayed with pow2_scales=True trained with scales like 257.15 and 3533.0 (the option is
+    # read by current scaling only) while describe() said "power-of-two scales"
+    with pytest.raises(ValueError, match=r"pow2_scales applies to current scaling only .* would be ignored"):
+        MixedPrecision(recipe, "cpu", fp8={"pow2_scales": True})
+    with pytest.raises(ValueError, match="pow2_scales applies to current scaling only"):
+        Fp8Spec("delayed", pow2_scales=True)
+    assert Fp8Spec("current", pow2_scales=True).pow2_scales  # where it acts: kept
+
+
+@pytest.mark.parametrize("island", ["blocks.0", "blocks"])
+def test_a_linear_inside_an_fp32_island_stays_out_of_fp8(island):
+    # found by qa: fp32_modules=["blocks.0"] ran blocks.0's Linears in fp8 (an island is fp32: fp8 is less than bf16)
+    mp = MixedPrecision("fp8-current", "cpu", fp32_modules=[island], fp8={"skip_first_last": False})
+    model = mp.prepare(tiny_gpt())
+    inside = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n.startswith(island + ".")]
+    assert inside and not any(isinstance(dict(model.named_modules())[n], Fp8Linear) for n in inside)
+    text = mp.describe()
+    assert all(f"inside the fp32 island {island!r}" in line for line in text.splitlines()
+               if line.split() and line.split()[0] in inside)
+    assert all(line.split()[2] == "fp32" for line in text.splitlines() if line.split() and line.split()[0] in inside)

@@ -53,3 +53,44 @@ def test_not_a_checkpoint(tmp_path):
     np.savez(tmp_path / "other.npz", a=np.ones(2))
     with pytest.raises(ValueError, match="not a mixprec.jax checkpoint"):
         mpj.load_tree(tmp_path / "other.npz", {"a": np.ones(2)})
+
+
+def test_a_save_interrupted_midway_leaves_the_previous_checkpoint_whole(tmp_path, monkeypatch):
+    # found by qa: save_tree wrote into the file in place: a Ctrl-C (or a kill) during the write destroyed the
+    # checkpoint it was replacing
+    path = tmp_path / "t.npz"
+    mpj.save_tree(path, _tree())
+    real = np.savez
+
+    def interrupted(f, **arrays):
+        real(f, **arrays)
+        f.truncate(f.tell() // 2)  # half of it on disk, then the interrupt
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(np, "savez", interrupted)
+    newer = _tree()
+    newer["count"] = jnp.int32(18)
+    with pytest.raises(KeyboardInterrupt):
+        mpj.save_tree(path, newer)
+    monkeypatch.undo()
+    assert int(mpj.load_tree(path, _tree())["count"]) == 17  # the previous one, whole
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.npz"]  # and nothing half-written beside it
+
+
+@pytest.mark.parametrize("damage", ["junk", "truncated", "empty"])
+def test_a_damaged_file_is_said_to_be_damaged_without_advice_to_unpickle_it(tmp_path, damage):
+    # found by qa: junk gave numpy's "contains pickled (object) data. If you trust the file you can load it unsafely
+    # using allow_pickle=", a truncated file zipfile's bare BadZipFile
+    path = tmp_path / "t.npz"
+    mpj.save_tree(path, _tree())
+    raw = path.read_bytes()
+    path.write_bytes({"junk": b"junk" * 10, "truncated": raw[: len(raw) // 2], "empty": b""}[damage])
+    with pytest.raises(ValueError) as e:
+        mpj.load_tree(path, _tree())
+    assert "cannot be read as a mixprec.jax checkpoint" in str(e.value) and "pickle" not in str(e.value), str(e.value)
+
+
+def test_a_leaf_that_is_not_an_array_is_named(tmp_path):
+    with pytest.raises(TypeError, match=r"leaf \['fn'\] is a function, not an array"):
+        mpj.save_tree(tmp_path / "t.npz", {"w": jnp.ones(2), "fn": lambda: 1})
+    assert not (tmp_path / "t.npz").exists()

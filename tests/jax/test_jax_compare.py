@@ -154,3 +154,12 @@ def test_the_per_computation_option_is_the_flag_set_before_the_backend_starts():
     flagged = json.loads(proc.stdout.strip().splitlines()[-1])
     here = compare("jax_tasks:make_task", ("bf16-mixed",), steps=8, task_kwargs={"kind": "offset1000"})
     assert here.run_for("bf16-mixed").loss.tolist() == flagged
+
+
+def test_two_names_of_one_recipe_are_said_to_run_once_as_on_the_torch_side():
+    # found by qa: --backend jax --recipes fp8 fp8-current merged into one row without a word (the torch side warns)
+    from mixprec.jax.comparison import _resolve_all
+
+    with pytest.warns(UserWarning, match=r"'fp8' and 'fp8-current' name the same recipe \(fp8-current\): it runs once"):
+        names = [r.name for r in _resolve_all(["fp8", "fp8-current", "bf16-mixed"])]
+    assert names == ["fp8-current", "bf16-mixed"]

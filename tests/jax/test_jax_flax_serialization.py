@@ -67,6 +67,26 @@ def test_another_configuration_is_refused_naming_it():
         serialization.from_bytes(other, data)
 
 
+SCALES = {"noop": "NoOpLossScale", "static": "StaticLossScale", "dynamic": "DynamicLossScale"}
+
+
+@pytest.mark.parametrize("saved", sorted(SCALES))
+@pytest.mark.parametrize("target", sorted(SCALES))
+def test_a_loss_scale_of_another_kind_is_refused_naming_both(saved, target):
+    # found by qa: an fp16-mixed state (DynamicLossScale) restored into a bf16-mixed one (NoOpLossScale) loaded
+    # without a word and dropped the scale; a static scale took a dynamic one's value; the reverse gave KeyError
+    if saved == target:
+        return
+    data = serialization.to_bytes(STATES[saved]())
+    with pytest.raises(ValueError, match=rf"the saved loss scale is a {SCALES[saved]}, the target's a "
+                                         rf"{SCALES[target]}: build the target with the recipe"):
+        serialization.from_bytes(FRESH[target](), data)
+    wrapped = mpj.skip_nonfinite(optax.sgd(0.1), STATES[saved]())  # the same inside skip_nonfinite's state
+    into = mpj.skip_nonfinite(optax.sgd(0.1), FRESH[target]())
+    with pytest.raises(ValueError, match=f"the saved loss scale is a {SCALES[saved]}"):
+        serialization.from_bytes(into.init({"w": jnp.ones(3)}), serialization.to_bytes(wrapped.init({"w": jnp.ones(3)})))
+
+
 def test_a_linen_train_state_with_skip_nonfinite_resumes_bit_for_bit():
     from flax import linen as nn
     from flax.training import train_state

@@ -158,3 +158,17 @@ def test_delayed_scaling_state_is_the_torch_sides_bit_for_bit_over_steps(algo, m
         np.testing.assert_array_equal(_bits(meta.amax_history), _bits(lin.fp8_amax_history.numpy()))
         np.testing.assert_array_equal(_bits(meta.scale), _bits(lin.fp8_scale.numpy()))
     assert float(lin.fp8_scale[0]) != 1.0  # the scales moved
+
+
+def test_the_margin_bound_and_the_delayed_only_fields_are_the_torch_sides():
+    # found by qa: mixprec.jax accepted margins 15..~140 and delayed-only fields under current scaling
+    from mixprec.fp8.options import max_margin
+    from mixprec.recipes import Fp8Spec
+
+    assert J.casts.max_margin() == max_margin() == 14
+    for kwargs in ({"margin": 15}, {"scaling": "current", "margin": 1}, {"scaling": "current", "amax_history_len": 4}):
+        for make in (J.Fp8Config, Fp8Spec):  # refused alike on both sides
+            with pytest.raises(ValueError):
+                make(**{"scaling": "delayed", **kwargs})
+    J.Fp8Config(scaling="delayed", margin=14)
+    Fp8Spec(scaling="delayed", margin=14)

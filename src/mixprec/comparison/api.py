@@ -263,6 +263,9 @@ def compare(
         raise ValueError(f"threads={threads!r}: need a positive integer or None")
     if isinstance(timing_rounds, bool) or not isinstance(timing_rounds, int) or timing_rounds < 0 or timing_rounds == 1:
         raise ValueError(f"timing_rounds={timing_rounds!r}: need 0 (no interleaved timing) or an integer >= 2")
+    for name, fn in (("progress", progress), ("on_run", on_run)):
+        if fn is not None and not callable(fn):
+            raise TypeError(f"{name}={fn!r}: need a function (it is called as training goes), or None")
     if out is not None:
         from mixprec.comparison.report import check_out_dir
 

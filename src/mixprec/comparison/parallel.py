@@ -57,6 +57,9 @@ def check_options(nproc: int, parallel: str | None, *, backend: str = "torch", d
                   force: bool = False) -> None:
     """``compare``'s --nproc/--parallel/--backend before anything runs; raises ValueError saying
     what to change. ``parallel`` None: not given. ``force``: more CPU ranks than CPUs."""
+    if force and nproc == 1:  # (accepted and ignored before)
+        raise ValueError("--force-nproc lets --nproc N start more processes than this machine has CPUs; without "
+                         "--nproc (N > 1) every run trains on one process. Add --nproc N, or drop --force-nproc")
     if backend == "jax":
         if nproc != 1 or parallel is not None:
             given = " ".join(x for x in (f"--nproc {nproc}" if nproc != 1 else "",

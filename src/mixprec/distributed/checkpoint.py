@@ -171,6 +171,37 @@ def _opts(optimizer: Any) -> list[torch.optim.Optimizer]:
     return opts
 
 
+def _check_args(model: Any, mp: Any, scheduler: Any) -> None:
+    """The objects of one training run, or a clear error before any file or tensor is touched: ``mp``
+    the ``MixedPrecision`` that prepared ``model`` (a save with another one wrote its counters beside
+    this model's weights; a load into an fp8 one not prepared yet dropped every amax history)."""
+    if not all(hasattr(mp, a) for a in ("state_dict", "load_state_dict", "recipe", "_dist")):
+        raise TypeError(f"mp must be the mixprec.MixedPrecision that prepared the model, got {type(mp).__name__}")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be the nn.Module mp.prepare returned, got {type(model).__name__}")
+    if scheduler is not None and not (callable(getattr(scheduler, "state_dict", None))
+                                      and callable(getattr(scheduler, "load_state_dict", None))):
+        raise TypeError(f"scheduler must be an lr scheduler (with state_dict/load_state_dict), got "
+                        f"{type(scheduler).__name__}")
+    ref = getattr(mp, "_model_ref", None)
+    prepared = ref() if ref is not None else None
+    if prepared is None:
+        raise CheckpointError(f"this MixedPrecision has not prepared a model: call model = mp.prepare(model"
+                              f"{', parallel=...' if not _no_dist() else ''}) first, then build the optimizer over "
+                              "mp.parameters(model), as for training (a checkpoint holds the state prepare sets up: "
+                              "fp8 scaling, master weights)")
+    inner: Any = model
+    for _ in range(4):  # DDP's .module, torch.compile's ._orig_mod
+        if inner is prepared:
+            return
+        inner = getattr(inner, "module", None) or getattr(inner, "_orig_mod", None)
+        if not isinstance(inner, nn.Module):
+            break
+    raise CheckpointError(f"model ({type(model).__name__}) is not the model this MixedPrecision prepared "
+                          f"({type(prepared).__name__}): pass the model its mp.prepare returned, with that "
+                          "MixedPrecision")
+
+
 def _blob(value: Any) -> bytes:
     buf = io.BytesIO()
     torch.save(value, buf)
@@ -231,6 +262,7 @@ def save_checkpoint(path: str | Path, *, model: nn.Module, optimizer: Any, mp: A
 
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
         raise ValueError(f"keep must be a positive integer (how many checkpoints to keep) or None (all), got {keep!r}")
+    _check_args(model, mp, scheduler)
     opts = _opts(optimizer)
     if mp._dist is not None:  # replicas that went apart (a DesyncError) would be saved as a mix: refused on every rank
         mp._dist.require_consistent()
@@ -305,6 +337,9 @@ def load_checkpoint(path: str | Path, *, model: nn.Module, optimizer: Any, mp: A
     reads every file once more, split over the ranks, before DCP reads it)."""
     import torch.distributed.checkpoint as dcp
 
+    _check_args(model, mp, scheduler)
+    if not isinstance(checksums, bool):  # ("no" is truthy: it checked every CRC)
+        raise TypeError(f"checksums must be True (check each file's CRC-32) or False (sizes only), got {checksums!r}")
     opts = _opts(optimizer)
     rank, world = _rank_world()
 

@@ -33,6 +33,13 @@ def _wire_dtype(value: Any, what: str) -> torch.dtype:
     return dtype
 
 
+def _flag(config: Any, kind: str, name: str) -> None:
+    """A switch is a bool: "no" or 1 would otherwise be read as truthy (on)."""
+    value = getattr(config, name)
+    if not isinstance(value, bool):
+        raise TypeError(f"{kind}({name}=...) is True or False, got {value!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class DDP:
     """Data parallel with ``torch.nn.parallel.DistributedDataParallel``: every rank holds the whole
@@ -60,6 +67,11 @@ class DDP:
     def __post_init__(self) -> None:
         if self.compress is not None:
             _wire_dtype(self.compress, "DDP(compress)")
+        for name in ("find_unused_parameters", "broadcast_buffers", "gradient_as_bucket_view"):
+            _flag(self, "DDP", name)
+        b = self.bucket_cap_mb
+        if b is not None and (isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 < b < float("inf")):
+            raise ValueError(f"DDP(bucket_cap_mb=...) is a positive number of megabytes or None, got {b!r}")
 
     @property
     def wire_dtype(self) -> torch.dtype:
@@ -101,6 +113,11 @@ class FSDP:
         object.__setattr__(self, "reduce_dtype", _wire_dtype(self.reduce_dtype, "FSDP(reduce_dtype)"))
         if self.units is not None and (isinstance(self.units, (str, type)) or not isinstance(self.units, Sequence)):
             raise TypeError(f"FSDP(units=...) is a list of module names, classes or class names, got {self.units!r}")
+        _flag(self, "FSDP", "reshard_after_forward")
+        _flag(self, "FSDP", "fp8_all_gather")
+        if self.mesh is not None and not (hasattr(self.mesh, "mesh_dim_names") and hasattr(self.mesh, "ndim")):
+            raise TypeError("FSDP(mesh=...) is a torch.distributed.device_mesh.DeviceMesh (init_device_mesh) or None, "
+                            f"got {type(self.mesh).__name__}")
 
     @property
     def wire_dtype(self) -> torch.dtype:

@@ -7,7 +7,10 @@ error names the field, what was given and what is allowed. Beyond the types and 
   below e4m3's smallest normal (2**-6) and every cast loses its precision (a margin of 200 made
   ``2**-200`` underflow fp32: every scale 0, the loss NaN);
 - ``amax_history_len``, ``amax_compute_algo`` and ``margin`` mean something only under delayed
-  scaling: set under current scaling (or none) they would be ignored, so they are refused.
+  scaling, ``pow2_scales`` only under current scaling: set under another scaling they would be
+  ignored, so they are refused;
+- ``scaling`` is what an fp8 recipe's name says: options that change it would run another recipe
+  under this one's name (``check_scaling``).
 """
 
 from __future__ import annotations
@@ -58,6 +61,10 @@ def check_spec(spec: Any) -> None:
             raise ValueError(f"fp8 {', '.join(set_)} {'apply' if len(set_) > 1 else 'applies'} to delayed scaling "
                              f"only; with scaling={spec.scaling!r} {'they' if len(set_) > 1 else 'it'} would be "
                              "ignored. Drop it, or use fp8-delayed")
+    if spec.pow2_scales and spec.scaling != "current":
+        raise ValueError(f"fp8 pow2_scales applies to current scaling only (it rounds the scale computed from the "
+                         f"tensor being cast); with scaling={spec.scaling!r} it would be ignored. Drop it, or use "
+                         "fp8-current")
     if spec.granularity == "rowwise" and spec.scaling != "current":
         raise ValueError(f"fp8 rowwise scaling needs scaling='current' (a scale per row of the tensor being "
                          f"cast), not {spec.scaling!r}")
@@ -77,3 +84,20 @@ def check_options(scaling: str, options: dict[str, Any]) -> None:
         raise ValueError(f"fp8 {', '.join(given)} {'apply' if len(given) > 1 else 'applies'} to delayed scaling only; "
                          f"with scaling={scaling!r} {'they' if len(given) > 1 else 'it'} would be ignored. Drop "
                          "it, or use fp8-delayed")
+
+
+#: the registered recipe of each scaling
+RECIPE_OF = {"current": "fp8-current", "delayed": "fp8-delayed", "none": "fp8-unscaled"}
+
+
+def check_scaling(recipe: Any, spec: Any) -> None:
+    """``MixedPrecision(recipe, fp8=...)``: options may tune the recipe's scaling, not replace it
+    (``fp8-current`` with ``scaling="none"`` trained the unsafe baseline under the recommended name)."""
+    have = recipe.fp8.scaling
+    if spec.scaling != have:
+        other = RECIPE_OF.get(spec.scaling, spec.scaling)
+        raise ValueError(f"fp8 scaling={spec.scaling!r} under recipe {recipe.name!r} (scaling={have!r}) would run "
+                         f"{other}'s scaling under the name {recipe.name!r}, and every report would say "
+                         f"{recipe.name}. Use MixedPrecision({other!r}, fp8=...) with the other options, or a Recipe "
+                         "of your own with a name of its own (dataclasses.replace(mixprec.get_recipe(...), "
+                         "name=..., fp8=...))")

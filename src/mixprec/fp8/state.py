@@ -21,8 +21,8 @@ from torch import nn
 
 from mixprec.fp8 import delayed, weight_cache
 from mixprec.fp8.dist import amax_group, buffer_names, reduce_amax_
-from mixprec.fp8.options import check_options
-from mixprec.fp8.swap import Decision, backend_for, fp8_layers, swap
+from mixprec.fp8.options import check_options, check_scaling
+from mixprec.fp8.swap import LM_HEAD, Decision, backend_for, fp8_layers, swap
 
 
 class Fp8Warning(UserWarning):
@@ -56,14 +56,17 @@ def with_options(recipe: Any, options: Any) -> Any:
     if recipe.fp8 is None:
         raise ValueError(f"fp8= applies to fp8 recipes (fp8-current, fp8-delayed); {recipe.name!r} is not one")
     if isinstance(options, Fp8Spec):
-        return options
-    if not isinstance(options, dict):
+        spec = options
+    elif not isinstance(options, dict):
         raise TypeError(f"fp8 options are a dict of Fp8Spec fields or an Fp8Spec, got {type(options).__name__}")
-    fields = [f.name for f in dataclasses.fields(Fp8Spec)]
-    if set(options) - set(fields):
-        raise ValueError(f"unknown fp8 option(s) {sorted(set(options) - set(fields))}; expected some of {', '.join(fields)}")
-    spec = dataclasses.replace(recipe.fp8, **options)
-    check_options(spec.scaling, options)
+    else:
+        fields = [f.name for f in dataclasses.fields(Fp8Spec)]
+        if set(options) - set(fields):
+            raise ValueError(f"unknown fp8 option(s) {sorted(set(options) - set(fields))}; expected some of "
+                             f"{', '.join(fields)}")
+        spec = dataclasses.replace(recipe.fp8, **options)
+        check_options(spec.scaling, options)
+    check_scaling(recipe, spec)
     return spec
 
 
@@ -109,6 +112,17 @@ def describe_lines(spec: Any, fp8: "Fp8Training | None") -> list[str]:
     return [("fp8      " if i == 0 else "         ") + ln for i, ln in enumerate(lines)]
 
 
+def _widen(decisions: list[Decision], spec: Any) -> str:
+    """The options that would put some layer in fp8 (none, when the layers' shapes rule them all out)."""
+    ways = []
+    if spec.exclude and any(d.reason.startswith("excluded by") for d in decisions):
+        ways.append("fp8={'exclude': ()}")
+    if spec.skip_first_last and any(d.reason == LM_HEAD or d.reason.startswith(("the first", "the last"))
+                                    for d in decisions):
+        ways.append("fp8={'skip_first_last': False} (which puts the first and last layers in fp8)")
+    return f" To widen the rules, pass {' or '.join(ways)}." if ways else ""
+
+
 class Fp8Training:
     """The fp8 linears of one prepared model and their scaling state."""
 
@@ -127,8 +141,8 @@ class Fp8Training:
         state = cls(spec, model, decisions, backend_for(spec, device))
         if not state.layers:
             why = "; ".join(f"{d.name or '(model)'}: {d.reason}" for d in decisions[:6]) or "it has no nn.Linear or Conv1D at all"
-            widen = "" if not decisions else (" To widen the rules, pass fp8={'exclude': ()} or fp8={'skip_first_last': "
-                                              "False} (which also puts the first and last layers in fp8).")
+            why += f"; and {len(decisions) - 6} more" if len(decisions) > 6 else ""
+            widen = _widen(decisions, spec)
             raise Fp8Error(f"recipe {recipe!r}: no layer of this model would compute in fp8 ({why}), so it would train "
                            f"as bf16-mixed under the name {recipe!r}. Train it as bf16-mixed, or see mp.describe() for "
                            f"the rules.{widen}")

@@ -6,7 +6,7 @@ matmul with a transposed weight, ``mixprec.fp8.conv1d``). The rules, in the orde
 
 1. only ``nn.Linear`` or ``Conv1D`` itself: a subclass may not compute ``F.linear`` in its forward
    (``MultiheadAttention``'s ``out_proj`` never calls it), so it stays as it is;
-2. a layer that is an fp32 island stays fp32 (``fp32_modules=``);
+2. a layer that is an fp32 island, or inside one, stays fp32 (``fp32_modules=``);
 3. a glob of ``Fp8Spec.exclude`` on the qualified name keeps it bf16 (a glob that matches no
    candidate is refused: a typo would otherwise pass silently);
 4. ``in_features`` and ``out_features`` must both be multiples of 16 (what fp8 GEMMs need; 32 for
@@ -36,6 +36,7 @@ from mixprec.fp8.linear import Fp8Config, Fp8Linear, Fp8Matmul
 MULTIPLE = 16
 MX_MULTIPLE = 32  # MXFP8: every reduction axis cut into 32-element blocks
 ISLAND = "an fp32 island"
+INSIDE = "inside the fp32 island"
 LM_HEAD = "the LM head (torchao keeps it in bf16)"
 _BUFFERS = ("fp8_amax_history", "fp8_scale")
 _ATTRS = ("fp8_config", "fp8_name", "fp8_observers", "fp8_original_class", "_fp8_weight_cache")
@@ -57,7 +58,7 @@ class Decision:
     @property
     def precision(self) -> str:
         """What the layer computes in: fp8, fp32 (an island) or bf16 (the recipe's autocast)."""
-        return "fp8" if self.fp8 else "fp32" if self.reason == ISLAND else "bf16"
+        return "fp8" if self.fp8 else "fp32" if self.reason.startswith((ISLAND, INSIDE)) else "bf16"
 
 
 def _embedding_weights(model: nn.Module) -> set[int]:
@@ -91,6 +92,7 @@ def decide(model: nn.Module, spec: Any) -> list[Decision]:
     plain = [n for n, m in layers if _plain(m)]
     ends = {plain[0]: "first", plain[-1]: "last"} if plain else {}
     tied = _embedding_weights(model)
+    islands = [n for n, m in model.named_modules() if n and getattr(m, "_mixprec_island", None) is not None]
     out = []
     for name, m in layers:
         fp8, reason = False, ""
@@ -101,6 +103,8 @@ def decide(model: nn.Module, spec: Any) -> list[Decision]:
             reason = f"{type(m).__name__} is a subclass of nn.Linear: its forward may not be F.linear"
         elif getattr(m, "_mixprec_island", None) is not None:
             reason = ISLAND
+        elif _island_above(name, islands):
+            reason = f"{INSIDE} {_island_above(name, islands)!r}"
         elif any(fnmatch.fnmatchcase(name, pat) for pat in spec.exclude):
             reason = f"excluded by {next(p for p in spec.exclude if fnmatch.fnmatchcase(name, p))!r}"
         elif n_in % multiple or n_out % multiple:
@@ -114,6 +118,11 @@ def decide(model: nn.Module, spec: Any) -> list[Decision]:
             fp8 = True
         out.append(Decision(name, n_in, n_out, fp8, reason, kind, head))
     return out
+
+
+def _island_above(name: str, islands: list[str]) -> str | None:
+    """The fp32 island that holds the layer ``name`` (an island computes in fp32: fp8 inside it is less)."""
+    return next((i for i in islands if name.startswith(i + ".")), None)
 
 
 def backend_for(spec: Any, device: torch.device) -> str:

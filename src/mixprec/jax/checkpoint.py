@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import zipfile
 from typing import Any
 
 import jax
@@ -44,16 +45,33 @@ def _raw(a: np.ndarray) -> np.ndarray:
 
 
 def save_tree(path: str | os.PathLike[str], tree: Any) -> None:
-    """Write ``tree``'s leaves and structure to ``path`` (a ``.npz`` file; the suffix is not added)."""
+    """Write ``tree``'s leaves and structure to ``path`` (a ``.npz`` file; the suffix is not added).
+
+    Atomic: the file is written beside ``path`` and renamed onto it once complete, so an interrupted
+    save (Ctrl-C, a kill, a full disk) leaves the previous checkpoint at ``path`` whole."""
     names, leaves, treedef = _paths_and_leaves(tree)
     arrays = [np.asarray(leaf) for leaf in leaves]  # gathers device and sharded arrays to the host
+    for name, leaf, a in zip(names, leaves, arrays):
+        if a.dtype == object:
+            raise TypeError(f"save_tree: leaf {name} is a {type(leaf).__name__}, not an array: it stores arrays and scalars "
+                            "(keep functions and other objects out of the tree, or rebuild them on load)")
     meta = {
         "format": FORMAT, "version": VERSION, "treedef": str(treedef), "paths": names,
         "dtypes": [a.dtype.name for a in arrays], "shapes": [list(a.shape) for a in arrays],
     }
     payload = {f"leaf_{i:06d}": _raw(a) for i, a in enumerate(arrays)}
-    with open(path, "wb") as f:
-        np.savez(f, __meta__=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), **payload)
+    target = os.fspath(path)
+    tmp = os.path.join(os.path.dirname(target) or ".", f".{os.path.basename(target)}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            np.savez(f, __meta__=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), **payload)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
 
 
 def _restore_like(value: np.ndarray, like: Any) -> Any:
@@ -68,17 +86,34 @@ def _restore_like(value: np.ndarray, like: Any) -> Any:
     return jnp.asarray(value)
 
 
+def _damaged(path: Any, e: BaseException) -> ValueError:
+    what = "not a .npz file (not a zip archive)" if isinstance(e, zipfile.BadZipFile) or "pickle" in str(e) else \
+        f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'incomplete'}"
+    return ValueError(f"{os.fspath(path)!r} cannot be read as a mixprec.jax checkpoint: {what}. It is damaged "
+                      "(truncated or overwritten) or another kind of file; load an earlier checkpoint")
+
+
 def load_tree(path: str | os.PathLike[str], like: Any, *, strict: bool = True) -> Any:
     """Read a tree written by ``save_tree`` into the structure of ``like``.
 
     ``strict=False`` accepts a different structure text when the leaves still line up (same number,
     dtypes and shapes): the configuration held in ``like`` then wins.
     """
-    with np.load(path, allow_pickle=False) as data:
-        if "__meta__" not in data:
-            raise ValueError(f"{os.fspath(path)!r} is not a mixprec.jax checkpoint (no __meta__ entry); write it with save_tree")
-        meta = json.loads(bytes(data["__meta__"]).decode())
-        stored = [data[f"leaf_{i:06d}"] for i in range(len(meta["paths"]))]
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            if "__meta__" not in data:
+                raise ValueError(f"{os.fspath(path)!r} is not a mixprec.jax checkpoint (no __meta__ entry); write it "
+                                 "with save_tree")
+            meta = json.loads(bytes(data["__meta__"]).decode())
+            stored = [data[f"leaf_{i:06d}"] for i in range(len(meta["paths"]))]
+    except (FileNotFoundError, IsADirectoryError, PermissionError):
+        raise
+    except ValueError as e:
+        if "is not a mixprec.jax checkpoint" in str(e):
+            raise
+        raise _damaged(path, e) from None
+    except (OSError, EOFError, KeyError, zipfile.BadZipFile, UnicodeDecodeError) as e:
+        raise _damaged(path, e) from None
     if meta.get("format") != FORMAT:
         raise ValueError(f"{os.fspath(path)!r} is not a mixprec.jax checkpoint (format {meta.get('format')!r})")
     names, like_leaves, treedef = _paths_and_leaves(like)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -265,8 +266,13 @@ def _resolve_all(recipes: Sequence[str | JaxRecipe]) -> list[JaxRecipe]:
     if isinstance(recipes, (str, JaxRecipe)):
         recipes = [recipes]
     resolved: list[JaxRecipe] = []
+    asked: dict[str, str] = {}  # recipe name -> the first spelling that named it
     for spec in recipes:
         recipe = get_recipe(spec)
+        first = asked.setdefault(recipe.name, spec if isinstance(spec, str) else recipe.name)
+        if isinstance(spec, str) and spec != first:  # as the torch side says it: one recipe, one row
+            warnings.warn(f"{first!r} and {spec!r} name the same recipe ({recipe.name}): it runs once, in one row",
+                          UserWarning, stacklevel=3)
         if all(r.name != recipe.name for r in resolved):
             resolved.append(recipe)
     if not resolved:

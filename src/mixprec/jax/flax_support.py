@@ -5,7 +5,9 @@ flax serializes dicts, lists, tuples, namedtuples and arrays; any other class in
 handler, or ``to_bytes`` raises ``TypeError: can not serialize 'NoOpLossScale'``. Registered here,
 when flax is installed (``mixprec.jax`` calls ``register`` on import):
 
-- ``NoOpLossScale``: nothing to store;
+- every loss scale stores its kind, and is restored into the same kind only (a ``DynamicLossScale``
+  restored into a ``NoOpLossScale`` target used to vanish without a word);
+- ``NoOpLossScale``: nothing else to store;
 - ``StaticLossScale``: its scale;
 - ``DynamicLossScale``: ``loss_scale``, ``counter``, ``hysteresis_left`` and its configuration
   (period, factor, floor, ceiling, hysteresis), which must equal the target's: restoring into a
@@ -42,6 +44,24 @@ def _check_config(kind: str, saved: Any, target: dict[str, Any]) -> None:
                          f"(saved, target): {diff}; build the target with the saved settings")
 
 
+def _saved_kind(state: Any) -> str:
+    """Which loss scale a saved state dict is (named since it is stored; older ones by their keys)."""
+    if not isinstance(state, dict):
+        return type(state).__name__
+    if "kind" in state:
+        return str(state["kind"])
+    return "DynamicLossScale" if "counter" in state else "StaticLossScale" if "loss_scale" in state else "NoOpLossScale"
+
+
+def _check_kind(target: Any, state: Any) -> None:
+    """A loss scale is restored into the same kind only (a dynamic scale into a NoOp one lost it silently)."""
+    saved, want = _saved_kind(state), type(target).__name__
+    if saved != want:
+        raise ValueError(f"flax.serialization: the saved loss scale is a {saved}, the target's a {want}: build the "
+                         "target with the recipe (or loss scale) the state was saved with, e.g. "
+                         "skip_nonfinite(opt, 'fp16-mixed') for a DynamicLossScale")
+
+
 def register() -> bool:
     """Register the handlers with flax.serialization (once); False when flax is not installed."""
     global _DONE
@@ -58,10 +78,11 @@ def register() -> bool:
     from mixprec.jax.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale, _new
 
     def dynamic_to(s: DynamicLossScale) -> dict[str, Any]:
-        return {"loss_scale": s.loss_scale, "counter": s.counter, "hysteresis_left": s.hysteresis_left,
-                "config": _config(s)}
+        return {"kind": "DynamicLossScale", "loss_scale": s.loss_scale, "counter": s.counter,
+                "hysteresis_left": s.hysteresis_left, "config": _config(s)}
 
     def dynamic_from(target: DynamicLossScale, state: dict[str, Any]) -> DynamicLossScale:
+        _check_kind(target, state)
         _check_config("DynamicLossScale", state.get("config"), _config(target))
         fields = {f: getattr(target, f) for f in target.__dataclass_fields__}
         fields.update(loss_scale=state["loss_scale"], counter=state["counter"],
@@ -80,9 +101,9 @@ def register() -> bool:
         return Fp8Meta(state["amax_history"], state["scale"], target.config)
 
     handlers = [
-        (NoOpLossScale, lambda s: {}, lambda target, state: target),
-        (StaticLossScale, lambda s: {"loss_scale": s.loss_scale},
-         lambda target, state: _new(StaticLossScale, loss_scale=state["loss_scale"])),
+        (NoOpLossScale, lambda s: {"kind": "NoOpLossScale"}, lambda target, state: _check_kind(target, state) or target),
+        (StaticLossScale, lambda s: {"kind": "StaticLossScale", "loss_scale": s.loss_scale},
+         lambda target, state: _check_kind(target, state) or _new(StaticLossScale, loss_scale=state["loss_scale"])),
         (DynamicLossScale, dynamic_to, dynamic_from),
         (Fp8Meta, meta_to, meta_from),
     ]

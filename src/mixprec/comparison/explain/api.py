@@ -74,6 +74,8 @@ def explain(
     Returns an ``Explanation``; ``status`` is TRACKS when there was nothing to explain.
     """
     t0 = time.perf_counter()
+    if progress is not None and not callable(progress):
+        raise TypeError(f"progress={progress!r}: need a function called with each line (print works), or None")
     say = progress or (lambda _m: None)
     if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
         raise ValueError(f"jobs={jobs!r}: need a positive integer (candidate runs trained at once)")
@@ -229,6 +231,10 @@ def _hypotheses(e: Explanation, ev: Evaluator, task: Task, rec: Recipe, run: Any
                               "than all of it does", [], island_outs)
         else:
             e.culprits = list(found)
+            parent = {c: p for p, cs in tree.children.items() for c in cs}
+            for c in found:  # (a caller that tracked as an island: the search went into it)
+                if parent.get(c) and search.cache.get(frozenset([parent[c]])):
+                    e.callers.setdefault(parent[c], []).append(c)
             whole = " (the model is one module: that is fp32 compute for all of it)" if found == [""] else ""
             cost = _step_cost(final_out, e.comparison.run_for(rec.name))
             islands = Finding("islands", "HOLDS", f"the smallest island set that tracks: {[n or ROOT for n in found]}"
@@ -255,12 +261,17 @@ def _loss_finding(e: Explanation, evidence: list[str], outcomes: list[Outcome], 
     f = conclude("loss", evidence, outcomes, none_why=(
         "the loss was computed in 16 bits by the task's own loss function, which no recipe change reaches: compute "
         "it in fp32 (.float() before the loss)" if loss16 else "the loss was computed in fp32"))
-    inside = [r for r in (e.capture.reductions if e.capture is not None else ())
-              if any(_within(r.module, c) for c in e.culprits)]
-    if inside:
+    reductions = e.capture.reductions if e.capture is not None else ()
+    inside = [r for r in reductions if any(_within(r.module, c) for c in e.culprits)]
+    # a caller's own code reducing what the island found hands it (in fp32 now): the island fed the reduction
+    fed = [r for r in reductions if r.module in e.callers and r not in inside]
+    if inside or fed:
         where = ", ".join(f"{r.op} ({r.dtype}) in {r.module}" for r in inside[:4])
+        where += ("; " if where else "") + ", ".join(
+            f"{r.op} ({r.dtype}) in {r.module}, fed in fp32 by the island set found "
+            f"({', '.join(e.callers[r.module])})" for r in fed[:4])
         f.status = "HOLDS"
-        f.conclusion = (f"a reduction in 16 bits: {where}, inside the island set found (an island runs it in fp32); "
+        f.conclusion = (f"a reduction in 16 bits: {where}{', inside the island set found (an island runs it in fp32)' if inside else ''}; "
                         + f.conclusion)
     elif f.status == "REJECTED" and not outcomes and not loss16:
         f.conclusion += "; no reduction that ran in 16 bits is inside an island set that fixes it"

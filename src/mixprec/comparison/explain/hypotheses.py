@@ -27,7 +27,7 @@ from mixprec.comparison.verdict import ema
 from mixprec.formats import get_format
 from mixprec.instruments.reductions import OUTSIDE
 from mixprec.policy import Policy
-from mixprec.recipes import Recipe
+from mixprec.recipes import Recipe, get_recipe
 
 _16 = (torch.float16, torch.bfloat16)
 #: fp32 is unstable when its seeds disagree by this share of how far training moved its loss
@@ -86,8 +86,10 @@ def scale_candidates(recipe: Recipe, run: Any, capture: Capture, horizon: int) -
     if recipe.fp8 is not None and recipe.fp8.scaling == "none":
         return ([f"fp8 without scaling: {recipe.fp8.format} casts of every tensor at scale 1 (values under fp8's "
                  "smallest subnormal flush to zero)"],
-                [Candidate("scale", f"fp8 with {kind} scaling", dataclasses.replace(
-                    recipe, fp8=dataclasses.replace(recipe.fp8, scaling=kind))) for kind in ("current", "delayed")])
+                # the registered scaled recipes, so that the fix names what runs (the baseline with another
+                # scaling, pasted, ran current scaling under the name fp8-unscaled)
+                [Candidate("scale", f"{name} ({kind} scaling, e5m2 gradients, first and last layers in bf16)",
+                           get_recipe(name)) for name, kind in (("fp8-current", "current"), ("fp8-delayed", "delayed"))])
     if recipe.compute_dtype != torch.float16:
         return [], []
     ev, cands = [], []

@@ -96,6 +96,9 @@ class Explanation:
     fix: Fix | None = None
     alternatives: list[Outcome] = dataclasses.field(default_factory=list)
     culprits: list[str] = dataclasses.field(default_factory=list)
+    # the modules that call a culprit and tracked as islands (-> the culprits they call): their own code runs on
+    # what the culprit hands them
+    callers: dict[str, list[str]] = dataclasses.field(default_factory=dict)
     runs: int = 0  # training runs explain made (the comparison's not counted)
     steps_trained: int = 0
     search_runs: int = 0

@@ -93,6 +93,12 @@ def dequantize(x_q: jax.Array, s: jax.Array) -> jax.Array:
     return x_q.astype(jnp.float32) / s
 
 
+def max_margin() -> int:
+    """The largest margin that keeps ``fp8_max * 2**-margin`` at or above e4m3's smallest normal (14)."""
+    info = jnp.finfo(E4M3)
+    return int(np.floor(np.log2(float(info.max) / float(info.smallest_normal))))
+
+
 @dataclasses.dataclass(frozen=True)
 class Fp8Config:
     """What an fp8 dot does, as constants (hashable: it is static under ``jit``).
@@ -122,7 +128,22 @@ class Fp8Config:
         if float(np.float32(fp8_max(E4M3) * 2.0 ** (-int(self.margin)))) == 0.0:
             raise ValueError(f"fp8 margin={self.margin}: 2**-margin times the fp8 maximum underflows f32 to 0, so "
                              "every scale would be 0; margins are small integers (TE's default 0)")
-        formats = tuple(jnp.dtype(f) for f in self.formats)
+        top = max_margin()
+        if self.margin > top:  # (the torch side's bound: mixprec.fp8.options)
+            raise ValueError(f"fp8 margin={self.margin}: the scale puts a tensor's largest value at fp8_max * "
+                             f"2**-margin, which past margin {top} is below e4m3's smallest normal (every cast would "
+                             f"lose its precision); use a margin from 0 (TE's default) to {top}")
+        if self.scaling != "delayed":  # read by delayed scaling only: given otherwise, they would be ignored
+            given = [f for f, d in (("amax_history_len", 1024), ("amax_compute_algo", "max"), ("margin", 0))
+                     if getattr(self, f) != d]
+            if given:
+                raise ValueError(f"fp8 {', '.join(given)} {'apply' if len(given) > 1 else 'applies'} to delayed "
+                                 f"scaling only; with scaling={self.scaling!r} {'they' if len(given) > 1 else 'it'} "
+                                 "would be ignored. Drop it, or use scaling='delayed'")
+        try:
+            formats = tuple(jnp.dtype(f) for f in self.formats)
+        except TypeError:
+            formats = ()
         if len(formats) != 3 or any(f not in FORMAT_NAMES for f in formats):
             raise ValueError(f"fp8 formats must be three of float8_e4m3fn / float8_e5m2, got {self.formats!r}")
         object.__setattr__(self, "formats", formats)
