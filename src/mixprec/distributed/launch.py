@@ -74,7 +74,32 @@ def _wait(proc: subprocess.Popen, timeout: float | None) -> int | None:
 
 
 def _kill_session(proc: subprocess.Popen) -> None:
-    """Kill the launcher's session (it and the ranks it started), which this module started."""
+    """Kill the launcher and every process below it, then its session.
+
+    torchrun starts each rank in a session of its own, so the launcher's session alone is not the
+    whole tree: the descendants are found through ``/proc`` (parent links) while the launcher is
+    stopped, so that none is re-parented out of sight or started after the snapshot.
+    """
+    tree = [proc.pid]
+    try:
+        os.kill(proc.pid, signal.SIGSTOP)  # spawns nothing more while the tree is read
+    except (ProcessLookupError, PermissionError):
+        pass
+    for _ in range(5):  # a child forked between two reads is found by the next
+        found = [p for p in _descendants(proc.pid) if p not in tree]
+        if not found:
+            break
+        for pid in found:
+            try:
+                os.kill(pid, signal.SIGSTOP)
+            except (ProcessLookupError, PermissionError):
+                pass
+        tree += found
+    for pid in reversed(tree):  # the leaves first
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
@@ -82,6 +107,30 @@ def _kill_session(proc: subprocess.Popen) -> None:
     deadline = time.monotonic() + 10
     while proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
+
+
+def _descendants(root: int) -> list[int]:
+    """Every live process below ``root`` (Linux ``/proc``; elsewhere none are found and the session kill is all)."""
+    children: dict[int, list[int]] = collections.defaultdict(list)
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for name in entries:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children[ppid].append(int(name))
+    out, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            out.append(child)
+            todo.append(child)
+    return out
 
 
 def init_from_env(device: str | torch.device | None = None, timeout_s: float = 300.0) -> tuple[int, int, torch.device]:
