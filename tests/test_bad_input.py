@@ -32,7 +32,7 @@ CLI_CASES = [
     (["lint", "/dev/null"], 2, "no Python file to check there"),
     # compare on several processes: options that cannot apply, more ranks than the machine has, a recipe FSDP2
     # refuses (said before any rank starts)
-    (["compare", "--nproc", "100000", "--out", ""], 2, "or pass --force-nproc to start them anyway"),
+    (["compare", "--nproc", "100000", "--out", ""], 2, "or pass --force-nproc"),
     (["compare", "--parallel", "fsdp", "--out", ""], 2, "without --nproc every run trains on one process"),
     (["compare", "--nproc", "1", "--parallel", "ddp", "--out", ""], 2, "Add --nproc 2 (or more), or drop --parallel"),
     # found by qa: accepted and ignored
@@ -235,6 +235,9 @@ API_CASES = [
     # found by qa: progress=True ('show progress') trained, then raised "'bool' object is not callable"
     (_compare_progress(True), TypeError, "progress=True: need a function"),
     (_compare_progress("rich", "on_run"), TypeError, "on_run='rich': need a function"),
+    (_compare_progress(100000, "nproc"), ValueError, "or pass --force-nproc (compare(force_nproc=True))"),
+    (_compare_progress(0, "nproc"), ValueError, "nproc=0: need a positive integer"),
+    (_compare_progress("yes", "force_nproc"), TypeError, "force_nproc='yes': need True or False"),
     (_explain_progress, TypeError, "progress=True: need a function called with each line (print works)"),
 ]
 

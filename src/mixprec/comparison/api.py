@@ -222,6 +222,7 @@ def compare(
     parallel: str = "ddp",
     timeout: float | None = None,
     timing_rounds: int = 10,
+    force_nproc: bool = False,
 ) -> ComparisonResult:
     """Train ``task`` under each recipe and under fp32 from ``1 + seeds`` seeds; judge every recipe.
 
@@ -246,6 +247,7 @@ def compare(
         timing_rounds: after the runs, time every recipe's step in this many interleaved rounds
             (``runner.time_interleaved``) for the speed column; 0 (or ``nproc`` > 1) takes it from
             the sequential runs instead, which is indicative only.
+        force_nproc: start ``nproc`` CPU ranks even when the machine has fewer CPUs (refused otherwise).
 
     Raises ``TaskError`` for a task that cannot be used, ``ValueError`` for unknown recipes or bad
     arguments, ``RuntimeError`` for a recipe this device cannot run, ``RunError`` when an fp32
@@ -266,6 +268,14 @@ def compare(
     for name, fn in (("progress", progress), ("on_run", on_run)):
         if fn is not None and not callable(fn):
             raise TypeError(f"{name}={fn!r}: need a function (it is called as training goes), or None")
+    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
+        raise ValueError(f"nproc={nproc!r}: need a positive integer (1: every run on this process)")
+    if not isinstance(force_nproc, bool):
+        raise TypeError(f"force_nproc={force_nproc!r}: need True or False")
+    if nproc > 1:  # bounded by the machine before any process starts, as on the command line
+        from mixprec.comparison.parallel import check_options
+
+        check_options(nproc, parallel, device=as_device(device), force=force_nproc)
     if out is not None:
         from mixprec.comparison.report import check_out_dir
 

@@ -81,8 +81,8 @@ def check_options(nproc: int, parallel: str | None, *, backend: str = "torch", d
                          "--device cpu")
     if nproc > have and not force:
         raise ValueError(f"--nproc {nproc}: this machine has {have} {what}, so {nproc} ranks would only share them "
-                         f"(and start {nproc} processes). Use --nproc {have} or fewer, or pass --force-nproc to start "
-                         "them anyway")
+                         f"(and start {nproc} processes). Use --nproc {have} or fewer, or pass --force-nproc "
+                         "(compare(force_nproc=True)) to start them anyway")
 
 
 def check_recipes(plan: list[tuple[Recipe, int, str]], parallel: str) -> None:
