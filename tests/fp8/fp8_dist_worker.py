@@ -175,3 +175,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # (see tests/distributed/workers.py: no interpreter teardown with gloo threads around)
