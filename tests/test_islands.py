@@ -157,6 +157,39 @@ def test_norm_islands_leave_autocast_on_and_still_compute_in_fp32(make, shape, d
     assert got.dtype == dtype and torch.equal(got, want)
 
 
+@pytest.mark.parametrize("make,shape", _NEUTRAL_CASES)
+def test_a_norm_island_given_fp32_under_autocast_runs_exactly_the_plain_modules_ops(make, shape):
+    # the common call in a transformer (an fp32 residual stream into a norm island): nothing to cast,
+    # so not one aten op beyond the module's own (counted exactly, not timed)
+    import collections
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops[str(func)] += 1
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    plain, island = make(), make()
+    island.load_state_dict(plain.state_dict())
+    keep_fp32(island, ["norms"])
+    x = torch.randn(shape, requires_grad=True)
+    counts = []
+    for m in (plain, island):
+        with Count() as c, torch.autocast("cpu", dtype=torch.bfloat16):
+            out = m(x)
+        counts.append(c.ops)
+        assert out.dtype == torch.float32
+    assert counts[0] == counts[1]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(island(x), plain(x))
+
+
 def test_an_island_around_a_matmul_still_switches_autocast_off():
     lin = nn.Linear(16, 16)
     x = torch.randn(4, 16)

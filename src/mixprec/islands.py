@@ -135,6 +135,8 @@ class _IslandForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # the common call, norm(x): one floating tensor and nothing else, without the tree walks
         simple = len(args) == 1 and not kwargs and isinstance(args[0], torch.Tensor) and args[0].is_floating_point()
+        if simple and not self.autocast_off and args[0].dtype == torch.float32:
+            return self._run(args, kwargs)  # a built-in norm given fp32 computes in fp32, autocast or not
         first = args[0] if simple else _first_tensor((args, kwargs), floating=True)
         device_type = self.island.device_type or (
             first.device.type if first is not None else self.island.device_of(args, kwargs))
@@ -144,7 +146,8 @@ class _IslandForward:
         back = first.dtype if first is not None and first.dtype in _SIXTEEN else None
         if back is not None or active:
             if simple:
-                args = (first.to(torch.float32),)  # type: ignore[union-attr]
+                if first.dtype != torch.float32:  # (an fp32 input, the common case, needs no call)
+                    args = (first.to(torch.float32),)  # type: ignore[union-attr]
             else:
                 args, kwargs = cast_floating(args, torch.float32), cast_floating(kwargs, torch.float32)
         if active and self.autocast_off:
