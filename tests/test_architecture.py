@@ -26,7 +26,7 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src"
 ROOT = SRC / "mixprec"
 
-CORE = {"formats", "policy", "recipes", "scaling", "islands", "masters", "step_io", "training", "seam", "_lazy",
+CORE = {"formats", "policy", "recipes", "scaling", "islands", "masters", "step_io", "training", "seam", "_lazy", "_env",
         "autotune", "attention"}
 CAPABILITIES = {"fp8", "distributed"}
 SHARED = {"instruments", "tasks", "report", "arguments"}

@@ -90,8 +90,8 @@ def test_compiled_kahan_gives_the_bits_of_kahan_add(compiled, dtype):
     stepped[::5] = p[::5].float()  # exactly zero updates (finite p): the pair is left as it was
     ref_p, ref_c = p.clone(), comp.clone()
     kahan_add_(ref_p, ref_c, ref_p.float().neg_().add_(stepped))
-    out_c = comp.clone()
-    out_p = compiled("kahan", p, out_c, stepped)
+    out_p, out_c = p.clone(), comp.clone()
+    assert compiled("kahan", out_p, out_c, stepped) is out_p  # both written in place
     assert compiled.ran == {"compiled"}
     assert _same_bits(out_p, ref_p) and _same_bits(out_c, ref_c)
     still = (stepped - p.float()) == 0

@@ -66,6 +66,7 @@ from mixprec.masters.buckets import (
     _Slot,
     _StepInBuckets,
     _views,
+    _Workspace,
 )
 from mixprec.masters.gradients import _GradFolding
 from mixprec.masters.guard import built_over_16bit, check_slot_state, install_guard, unfrozen_after_prepare
@@ -115,6 +116,7 @@ class MasterWeights(_GradFolding):
         self.stepping = False
         self._placeholders: dict[torch.device, torch.Tensor] = {}
         self.buckets: list[_Bucket] = []
+        self._ws = _Workspace()  # a bucketed step's flat temporaries, kept on a CPU
         self.bucket_numel = _layout.BUCKET_NUMEL  # read now: a patched value counts
         #: parameters frozen at prepare (requires_grad False): stored in 16 bits, no master
         self.frozen: list[tuple[str, nn.Parameter]] = []
@@ -365,7 +367,8 @@ class MasterWeights(_GradFolding):
 
     def _materialize_flat(self, b: _Bucket) -> torch.Tensor:
         """The bucket's fp32 values, flat, rebuilt from what the strategy keeps."""
-        return self._flat_params(b).to(torch.float32)
+        return self._ws.flat("value32", [b.params_16] if b.params_16 is not None else [s.param.data for s in b.slots],
+                             torch.float32)
 
     def _materialize_bucket(self, b: _Bucket) -> None:
         b.value_32 = self._materialize_flat(b)
@@ -387,7 +390,7 @@ class MasterWeights(_GradFolding):
     def _flat_params(self, b: _Bucket) -> torch.Tensor:
         if b.params_16 is not None:  # gathered by this step's rebuild
             return b.params_16
-        return _flat([s.param.data for s in b.slots])
+        return self._ws.flat("params16", [s.param.data for s in b.slots])
 
     def _store_params(self, b: _Bucket, flat_16: torch.Tensor) -> None:
         _scatter_([s.param.data for s in b.slots], flat_16)

@@ -7,10 +7,10 @@ folding itself, unscaled and clipped as the whole step would), and what serves t
 and the clip while gradients are deferred: ``pending_grad``, ``pending_grads``,
 ``set_grad_unscale`` and ``deferred_grad_norm_``.
 
-Relies on ``mixprec.masters.buckets`` (``_flat``, ``_views``) and on the state
+Relies on ``mixprec.masters.buckets`` (``_views``) and on the state
 ``MasterWeights.__init__`` (``mixprec.masters.base``) sets: ``slots``, ``buckets``, ``_by_proxy``,
 ``stepping``, ``in_buckets``, ``deferred``, ``_grad_coef``, ``_clipped``, ``_grad_unscale``,
-``_unscaled``, ``_unscale_exact``; and on its methods ``check_frozen``, ``check_optimizers``,
+``_unscaled``, ``_unscale_exact``, ``_ws`` (a ``buckets._Workspace``); and on its methods ``check_frozen``, ``check_optimizers``,
 ``can_step_in_buckets`` and ``_materialize_bucket``, and the class attribute ``value_bytes``.
 """
 
@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
-from mixprec.masters.buckets import _Bucket, _flat, _Slot, _views
+from mixprec.masters.buckets import _Bucket, _Slot, _views
 
 
 class _GradFolding:
@@ -79,7 +79,7 @@ class _GradFolding:
                 dense_fresh.append(s)
         if dense_fresh:
             # one flat fp32 gradient per bucket; each proxy's .grad is a view of it
-            flat = _flat([s.param.grad for s in dense_fresh]).to(torch.float32)
+            flat = self._ws.flat("grad32", [s.param.grad for s in dense_fresh], torch.float32)
             if unscale is not None:
                 flat.mul_(unscale)
             views = _views(flat, [s.param for s in dense_fresh])

@@ -51,11 +51,13 @@ def kahan_update(param_16: torch.Tensor, comp_16: torch.Tensor, stepped_32: torc
 
 
 def kahan_write(param_16: torch.Tensor, comp_16: torch.Tensor, stepped_32: torch.Tensor) -> torch.Tensor:
-    """``kahan_update`` storing the compensation into ``comp_16`` (a compiled kernel writes it in
-    its one pass); returns the new parameters."""
+    """``kahan_update`` storing the new parameters into ``param_16`` and the compensation into
+    ``comp_16`` (a compiled kernel writes both in its one pass, allocating nothing); returns
+    ``param_16``. (``kahan_add_``, the eager form, also updates both in place.)"""
     p_16, c_16 = kahan_update(param_16, comp_16, stepped_32)
     comp_16.copy_(c_16)
-    return p_16
+    param_16.copy_(p_16)
+    return param_16
 
 
 def split_write(x_32: torch.Tensor, rem: torch.Tensor) -> torch.Tensor:

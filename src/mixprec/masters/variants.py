@@ -74,7 +74,7 @@ class KahanMasters(MasterWeights):
 
     def _materialize_flat(self, b: _Bucket) -> torch.Tensor:
         b.params_16 = self._flat_params(b)  # kept for the write-back: the parameters do not change in between
-        return b.params_16.to(torch.float32)
+        return self._ws.flat("value32", [b.params_16], torch.float32)
 
     def _write_back_bucket(self, b: _Bucket) -> None:
         p_16 = self._flat_params(b)

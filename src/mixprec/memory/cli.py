@@ -170,6 +170,9 @@ def run(args: argparse.Namespace) -> int:
         TaskError = _NoTaskError  # noqa: N806 - nothing on this path raises a task error
 
     try:
+        from mixprec._env import workspace_mode
+
+        workspace_mode()  # a bad MIXPREC_MASTER_WORKSPACE is said here, in one line
         if facts is None:
             names = [r.name for r in list_recipes()] if args.recipe == "all" else split_names(args.recipe)
             recipes = [resolve_recipe(n, "cpu") for n in names]

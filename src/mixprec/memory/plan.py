@@ -335,6 +335,9 @@ def plan(
     if t16 > facts.bucket_numel > 0 and not counts.largest and facts.step_value_bytes + facts.step_temp_bytes:
         notes.append(f"the master-weight step is planned in buckets of {facts.bucket_numel:,} parameters; a larger "
                      "single tensor (an untied LM head) is a bucket of its own: pass --model to count it")
+    if t16 and facts.bucket_numel and _workspace_kept():
+        notes.append(f"MIXPREC_MASTER_WORKSPACE=keep: on a CPU up to {bucket * 10 / 2**20:,.1f} MiB of the step's "
+                     "temporaries (one bucket's) stay allocated through forward and backward, not in this plan")
     if shape is None:
         notes.append("no activations: give --batch --seq --d-model --layers --heads for a transformer estimate")
     if accumulate > 1:
@@ -440,3 +443,9 @@ def _fsdp_plan(counts: ParamCounts, facts: StorageFacts, optimizer: str, shape: 
         notes.append(f"accumulate={accumulate}: FSDP2 keeps unsharded fp32 gradients through each window")
     return Plan(facts.name, optimizer.lower(), counts, b, persistent, fwd_bwd, step,
                 persistent + max(fwd_bwd, step), tuple(notes), world, "fsdp")
+
+
+def _workspace_kept() -> bool:
+    from mixprec._env import workspace_mode
+
+    return workspace_mode() == "keep"
