@@ -11,11 +11,7 @@ digest of the parameters after one window. FSDP2 runs the plain loop too (bf16-m
 from __future__ import annotations
 
 import contextlib
-import datetime
-import json
-import os
 import sys
-import traceback
 from pathlib import Path
 
 import torch
@@ -59,26 +55,14 @@ def run(recipe: str, mode: str, by_hand: bool) -> dict:
 
 
 def main() -> int:
-    out_dir = Path(sys.argv[1])
-    dist.init_process_group("gloo", init_method=os.environ["MIXPREC_DIST_INIT"], rank=RANK, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=60))
-    result: dict = {}
-    try:
+    def body(result: dict) -> None:
         for recipe in RECIPES:
             result[f"ddp/{recipe}"] = run(recipe, "ddp", False)
             result[f"ddp/{recipe}/by_hand"] = run(recipe, "ddp", True)
         result["fsdp/bf16-mixed"] = run("bf16-mixed", "fsdp", False)
-    except Exception:
-        result["error"] = traceback.format_exc()
-        print(result["error"], file=sys.stderr)
-    (out_dir / f"rank{RANK}.json").write_text(json.dumps(result))
-    if "error" not in result:
-        dist.barrier()
-    return 1 if "error" in result else 0
+
+    return W.rank_main(body, Path(sys.argv[1]))
 
 
 if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    W.leave(main())

@@ -11,11 +11,8 @@ their weights in the forward (what FSDP2 gathered).
 
 from __future__ import annotations
 
-import datetime
-import json
 import os
 import sys
-import traceback
 from pathlib import Path
 
 import torch
@@ -126,10 +123,8 @@ def tie_terms(name: str, recipe: str) -> tuple[dict[str, torch.Tensor], dict[str
 
 def main() -> int:
     cases, out_dir = sys.argv[1].split(","), Path(sys.argv[2])
-    dist.init_process_group("gloo", init_method=os.environ["MIXPREC_DIST_INIT"], rank=RANK, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=120))
-    result: dict = {}
-    try:
+
+    def body(result: dict) -> None:
         for case in cases:
             name, recipe = case.split("/")
             got = train(name, recipe, "fsdp")
@@ -150,17 +145,9 @@ def main() -> int:
                 cells[n] = cell
             result[case] = {"cells": cells, "tied": sorted(sums), "fsdp": {k: v for k, v in got.items() if k != "params"},
                             "one": {k: v for k, v in ref.items() if k != "params"}}
-    except Exception:
-        result["error"] = traceback.format_exc()
-        print(result["error"], file=sys.stderr)
-    (out_dir / f"rank{RANK}.json").write_text(json.dumps(result))
-    if "error" not in result:
-        dist.barrier()
-    return 1 if "error" in result else 0
+
+    return W.rank_main(body, out_dir, timeout_s=120)
 
 
 if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    W.leave(main())

@@ -10,15 +10,10 @@ on rank 3 only.
 
 from __future__ import annotations
 
-import datetime
-import json
-import os
 import sys
-import traceback
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 import workers as W  # noqa: E402  (the model and batches: 2 sequences per rank, digests)
 
@@ -133,26 +128,14 @@ def scenario_desync(mesh):
 
 
 def main() -> int:
-    out_dir = Path(sys.argv[1])
-    dist.init_process_group("gloo", init_method=os.environ["MIXPREC_DIST_INIT"], rank=RANK, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=120))
-    result: dict = {}
-    try:
+    def body(result: dict) -> None:
         mesh = _mesh()
         result["coords"] = [int(c) for c in mesh.get_coordinate()]
         for name in ("match", "replicas", "skip", "desync"):
             result[name] = globals()[f"scenario_{name}"](mesh)
-    except Exception:
-        result["error"] = traceback.format_exc()
-        print(result["error"], file=sys.stderr)
-    (out_dir / f"rank{RANK}.json").write_text(json.dumps(result))
-    if "error" not in result:
-        dist.barrier()
-    return 1 if "error" in result else 0
+
+    return W.rank_main(body, Path(sys.argv[1]), timeout_s=120)
 
 
 if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    W.leave(main())

@@ -411,29 +411,44 @@ def scenario_memory():
     return out
 
 
-def main() -> int:
-    scenarios, out_dir = sys.argv[1].split(","), Path(sys.argv[2])
+def rank_main(body, out_dir: Path, timeout_s: float = 60.0) -> int:
+    """One rank of a test, from its process group to its teardown: ``body(result)`` fills the
+    ``result`` dict (what it filled survives an exception, whose traceback is added as "error"),
+    written to ``out_dir/rank{RANK}.json``; returns the exit code. Every gloo worker goes through
+    here: no rank tears its group down while another still has work in flight (gloo aborts it)."""
     dist.init_process_group("gloo", init_method=os.environ["MIXPREC_DIST_INIT"], rank=RANK, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=60))
-    result = {}
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    result: dict = {}
     try:
-        for name in scenarios:
-            result[name] = globals()[f"scenario_{name}"]()
+        body(result)
     except Exception:
         result["error"] = traceback.format_exc()
         print(result["error"], file=sys.stderr)
     (out_dir / f"rank{RANK}.json").write_text(json.dumps(result, allow_nan=True))
     if "error" not in result:
-        dist.barrier()  # no rank tears its group down while the other still has work in flight
+        dist.barrier()
     dist.destroy_process_group()
     return 1 if "error" in result else 0
 
 
-if __name__ == "__main__":
-    code = main()
-    # Leave without the interpreter's teardown: with gloo, worker threads that still hold finished
-    # work objects abort the process while Python finalises ("terminate called without an active
-    # exception", both ranks, now and then; seen on torch 2.13 CPU). The results are written.
+def leave(code: int) -> None:
+    """Exit without the interpreter's teardown: with gloo, worker threads that still hold finished
+    work objects abort the process while Python finalises ("terminate called without an active
+    exception", now and then; seen on torch 2.13 CPU). The results are written by then."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def main() -> int:
+    scenarios, out_dir = sys.argv[1].split(","), Path(sys.argv[2])
+
+    def body(result: dict) -> None:
+        for name in scenarios:
+            result[name] = globals()[f"scenario_{name}"]()
+
+    return rank_main(body, out_dir)
+
+
+if __name__ == "__main__":
+    leave(main())

@@ -16,9 +16,7 @@ FSDP2 all-gather of the fp8 layers' weights puts on the wire, fp32 against fp8 (
 
 from __future__ import annotations
 
-import datetime
 import hashlib
-import json
 import os
 import sys
 from pathlib import Path
@@ -27,6 +25,8 @@ import torch
 import torch.distributed as dist
 
 torch.set_num_threads(1)
+
+import workers as W  # noqa: E402  (tests/distributed: one rank's start and teardown)
 
 import mixprec  # noqa: E402
 from mixprec.fp8 import fp8_layers  # noqa: E402
@@ -161,20 +161,10 @@ def match() -> dict:
     return out
 
 
-def main() -> None:
+def main() -> int:
     scenario, out = sys.argv[1], Path(sys.argv[2])
-    dist.init_process_group("gloo", init_method=os.environ["MIXPREC_DIST_INIT"], rank=RANK, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=60))
-    try:
-        result = {"match": match}[scenario]()
-        dist.barrier()  # no rank tears its group down while the other still has work in flight (gloo aborts)
-    finally:
-        dist.destroy_process_group()
-    (out / f"rank{RANK}.json").write_text(json.dumps(result))
+    return W.rank_main(lambda result: result.update({"match": match}[scenario]()), out)
 
 
 if __name__ == "__main__":
-    main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # (see tests/distributed/workers.py: no interpreter teardown with gloo threads around)
+    W.leave(main())
