@@ -35,6 +35,7 @@ def test_kept_temporaries_give_the_bits_of_fresh_ones(recipe, bucket_numel, monk
     kept, mp_keep = _run(recipe, "keep", monkeypatch, bucket_numel)
     assert not mp_free.masters._ws._bufs  # "free" keeps nothing
     assert mp_keep.masters._ws._bufs  # "keep" did keep them
+    assert "MIXPREC_MASTER_WORKSPACE=keep" in mp_keep.describe() and "WORKSPACE" not in mp_free.describe()
     assert_bitwise_equal(fresh, kept)
 
 

@@ -490,6 +490,7 @@ class MasterWeights(_GradFolding):
             + (f"; {len(self.frozen)} frozen tensors ({sum(p.numel() for _, p in self.frozen):,} params) "
                f"stored in {get_format(self.storage_dtype).name} without masters" if self.frozen else "")
             + (f"; update kernels: {self.kernels.describe()}" if self.uses_kernels else "")
+            + ("; step temporaries kept between steps on a CPU (MIXPREC_MASTER_WORKSPACE=keep)" if self._ws.keep else "")
         )
 
 
