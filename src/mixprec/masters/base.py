@@ -93,6 +93,8 @@ class MasterWeights(_GradFolding):
     #: bytes per element of one bucket allocated on top of that, at the worst point of the step
     #: (the flat 16-bit copies, the rounding arithmetic); measured by tests/masters.
     temp_bytes = 2
+    #: bytes per element of one bucket kept between steps under MIXPREC_MASTER_WORKSPACE=keep
+    kept_bytes = 4
     #: writing a value back draws random bits even when the value did not change (stochastic
     #: rounding): a bucketed step then writes back the buckets it did not step too
     draws_on_write = False

@@ -115,7 +115,8 @@ class _Workspace:
     releases what it used before the next begins, so one buffer per use, as large as the largest
     bucket, serves them all. The price: up to one bucket's temporaries (10 B per 16-bit parameter,
     at most ``BUCKET_NUMEL`` of them) stay allocated through the forward and backward, where they
-    add to the peak; so it is not the default of the memory-saving recipes. ``active`` is set by
+    add to the peak (``mixprec memory`` counts them when the variable says keep: ``kept_bytes`` of each
+    strategy); so it is not the default of the memory-saving recipes. ``active`` is set by
     the bucketed step only; elsewhere (a whole step, the fold after an exception) the temporaries
     are allocated as before. The values are the same bits either way.
     """

@@ -98,6 +98,9 @@ class StorageFacts:
             not to the compute dtype (``ParamCounts.fp8_weights`` says how many).
         fsdp_refused: why ``prepare(parallel="fsdp")`` refuses the recipe (None: it runs), so
             that no per-rank FSDP2 plan is made for a set-up that cannot run.
+        kept_bytes: with ``MIXPREC_MASTER_WORKSPACE=keep`` on a CPU, the bytes per element of one
+            bucket of the step's temporaries that stay allocated between steps (so through the
+            forward and backward too); counted in the plan only when the variable says keep.
     """
 
     name: str
@@ -114,6 +117,7 @@ class StorageFacts:
     bucket_numel: int = 0
     fp8: bool = False
     fsdp_refused: str | None = None
+    kept_bytes: int = 0
 
     @property
     def stores_16bit(self) -> bool:
@@ -316,6 +320,8 @@ def plan(
     # activation is still alive: a transient, not a component, but part of the peak
     logits_grad = shape.batch * shape.seq * shape.vocab * 4 if shape is not None else 0
     fwd_bwd = b["gradients"] + accumulators + b["autocast weight copies"] + b["activations"] + logits_grad
+    kept = bucket * facts.kept_bytes if t16 and facts.bucket_numel and _workspace_kept() else 0
+    fwd_bwd += kept  # (in the step they are its temporaries, counted there already)
     # at the step the 16-bit gradients have become fp32 master gradients (counted in step-time),
     # or wait on the model for their bucket's turn (a bucket's own are freed once made fp32)
     # (the accumulators are the step's fp32 gradients: counted in step-time, not again)
@@ -335,9 +341,9 @@ def plan(
     if t16 > facts.bucket_numel > 0 and not counts.largest and facts.step_value_bytes + facts.step_temp_bytes:
         notes.append(f"the master-weight step is planned in buckets of {facts.bucket_numel:,} parameters; a larger "
                      "single tensor (an untied LM head) is a bucket of its own: pass --model to count it")
-    if t16 and facts.bucket_numel and _workspace_kept():
-        notes.append(f"MIXPREC_MASTER_WORKSPACE=keep: on a CPU up to {bucket * 10 / 2**20:,.1f} MiB of the step's "
-                     "temporaries (one bucket's) stay allocated through forward and backward, not in this plan")
+    if kept:
+        notes.append(f"MIXPREC_MASTER_WORKSPACE=keep: {kept / 2**20:,.1f} MiB of the step's temporaries (one bucket's) "
+                     "stay allocated through forward and backward on a CPU; counted in the forward/backward peak")
     if shape is None:
         notes.append("no activations: give --batch --seq --d-model --layers --heads for a transformer estimate")
     if accumulate > 1:
@@ -376,6 +382,7 @@ def facts_from_recipe(recipe: Any, device_type: str = "cpu") -> StorageFacts:
         norm_bytes=4,
         prob_bytes=4 + compute_bytes if device_type == "cuda" and recipe.autocast and compute_bytes < 4 else None,
         fsdp_refused=unsupported(recipe),
+        kept_bytes=strategy.kept_bytes if strategy else 0,
     )
 
 
