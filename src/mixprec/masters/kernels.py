@@ -22,13 +22,13 @@ one warning; in "compiled" the error is raised. ``describe()`` says which ran.
 
 from __future__ import annotations
 
-import os
 import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from mixprec._env import env_choice
 from mixprec.masters.rounding import join_fp32, random_bits16, random_bits16_at, round_bf16_with_bits, split_fp32
 
 MODES = ("auto", "compiled", "eager")
@@ -84,12 +84,8 @@ EAGER: dict[str, Callable[..., Any]] = {**KERNELS, "sr": sr_round_eager}
 
 
 def _mode_from_env() -> str:
-    mode = os.environ.get(ENV, "auto").strip().lower() or "auto"
-    if mode not in MODES:
-        raise ValueError(f"{ENV}={mode!r} is not one of {', '.join(MODES)}: 'auto' compiles the compact master "
-                         "strategies' update kernels for models large enough to repay it, 'compiled' always, "
-                         "'eager' never")
-    return mode
+    return env_choice(ENV, MODES, "'auto' compiles the compact master strategies' update kernels for models large "
+                      "enough to repay it, 'compiled' always, 'eager' never")
 
 
 class KernelSet:
