@@ -272,15 +272,15 @@ def compare(
         raise ValueError(f"nproc={nproc!r}: need a positive integer (1: every run on this process)")
     if not isinstance(force_nproc, bool):
         raise TypeError(f"force_nproc={force_nproc!r}: need True or False")
+    dev = as_device(device)
     if nproc > 1:  # bounded by the machine before any process starts, as on the command line
         from mixprec.comparison.parallel import check_options
 
-        check_options(nproc, parallel, device=as_device(device), force=force_nproc)
+        check_options(nproc, parallel, device=dev, force=force_nproc)
     if out is not None:
         from mixprec.comparison.report import check_out_dir
 
         check_out_dir(out)  # before training: a clash should not cost the user a minute of runs
-    dev = as_device(device)
     reference_recipe = resolve_recipe(REFERENCE, dev)
     resolved = _resolve_all(recipes, dev)
     candidates = [r for r in resolved if r.name != reference_recipe.name]

@@ -141,6 +141,8 @@ class _Workspace:
         dtype = tensors[0].dtype if dtype is None else dtype
         out = self.get(use, sum(t.numel() for t in tensors), dtype, tensors[0].device)
         if out is None:
+            if len(tensors) == 1 and tensors[0].dtype != dtype:
+                return tensors[0].reshape(-1).to(dtype)  # (the cast is the copy: no clone first)
             flat = _flat(tensors)
             return flat if flat.dtype == dtype else flat.to(dtype)
         if len(tensors) > 1:
