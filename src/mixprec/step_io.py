@@ -148,6 +148,32 @@ def _check_max_grad_norm(max_grad_norm: float | None) -> None:
                          "of 0 would zero every update, a negative one would reverse it")
 
 
+def clip_or_measure(params: Sequence[torch.Tensor], max_norm: float | None, norm_type: float) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` over ``params`` (``get_total_norm`` of their gradients when
+    ``max_norm`` is None), the same kernels in the same order, so the same bits; without the
+    per-call grouping torch does (a device/dtype grouping twice, a ``.to`` per gradient) when every
+    gradient is one plain dense tensor of one device and dtype, the common case: on a small model
+    that grouping was a tenth of the step (35 us of a few hundred with 4 gradients, measured).
+    Anything else (several devices or dtypes, sparse or subclassed gradients) goes to torch's."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if grads:
+        g0 = grads[0]
+        device, dtype = g0.device, g0.dtype
+        plain = all(type(g) is torch.Tensor and g.layout is torch.strided and g.device == device
+                    and g.dtype is dtype for g in grads)
+    if not grads or not plain:
+        if max_norm is None:
+            return torch.nn.utils.get_total_norm(grads, norm_type=norm_type)
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+    with torch.no_grad():
+        norm_type = float(norm_type)
+        total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, norm_type)), norm_type)
+        if max_norm is not None:
+            # torch's rule: multiply by min(max_norm / (norm + 1e-6), 1), also when that is 1 (no sync)
+            torch._foreach_mul_(grads, torch.clamp(float(max_norm) / (total + 1e-6), max=1.0))
+    return total
+
+
 def check_loss(loss: Any) -> tuple[torch.Tensor, bool]:
     """The loss as fp32, and whether it arrived in 16 bits (its reduction then ran in 16 bits)."""
     if not isinstance(loss, torch.Tensor):

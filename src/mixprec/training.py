@@ -41,6 +41,7 @@ from mixprec.step_io import (
     StepStats,
     _as_optimizers,
     check_loss,
+    clip_or_measure,
     check_model_params,
     _check_max_grad_norm,
     _check_mp_state,
@@ -416,10 +417,7 @@ class MixedPrecision:
                 return self.masters.deferred_grad_norm_(params, max_grad_norm, norm_type)
         if self._dist is not None:  # the norm over every rank's gradients (FSDP2's are shards)
             return self._dist.clip_grad_norm_(params, max_grad_norm, norm_type)
-        if max_grad_norm is not None:
-            return nn.utils.clip_grad_norm_(params, max_grad_norm, norm_type=norm_type)
-        grads = [p.grad for p in params if p.grad is not None]
-        return nn.utils.get_total_norm(grads, norm_type=norm_type)
+        return clip_or_measure(params, max_grad_norm, norm_type)
 
     # ------------------------------------------------------------------ state
 
