@@ -93,7 +93,7 @@ class MasterWeights(_GradFolding):
     #: bytes per element of one bucket allocated on top of that, at the worst point of the step
     #: (the flat 16-bit copies, the rounding arithmetic); measured by tests/masters.
     temp_bytes = 2
-    #: bytes per element of one bucket kept between steps under MIXPREC_MASTER_WORKSPACE=keep
+    #: bytes per element of one bucket kept between steps on a CPU (MIXPREC_MASTER_WORKSPACE: all under keep, up to 64 MiB under auto, the default)
     kept_bytes = 4
     #: writing a value back draws random bits even when the value did not change (stochastic
     #: rounding): a bucketed step then writes back the buckets it did not step too
@@ -492,7 +492,7 @@ class MasterWeights(_GradFolding):
             + (f"; {len(self.frozen)} frozen tensors ({sum(p.numel() for _, p in self.frozen):,} params) "
                f"stored in {get_format(self.storage_dtype).name} without masters" if self.frozen else "")
             + (f"; update kernels: {self.kernels.describe()}" if self.uses_kernels else "")
-            + ("; step temporaries kept between steps on a CPU (MIXPREC_MASTER_WORKSPACE=keep)" if self._ws.keep else "")
+            + (f"; {self._ws.describe()}" if self._ws.keep and self.slots and self.slots[0].param.device.type == "cpu" else "")
         )
 
 

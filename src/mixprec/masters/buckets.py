@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec._env import workspace_mode
+from mixprec._env import workspace_limit, workspace_mode
 
 
 @dataclasses.dataclass
@@ -107,23 +107,28 @@ def _flat_buffer(b: _Bucket, name: str, flat: torch.Tensor) -> None:
 class _Workspace:
     """The flat temporaries of a bucketed step (the 16-bit parameters gathered, the fp32 values
     rebuilt for the optimizer, the fp32 gradients), kept from bucket to bucket and step to step
-    instead of allocated each time, when ``MIXPREC_MASTER_WORKSPACE=keep`` and on a CPU.
+    instead of allocated each time, on a CPU, as ``MIXPREC_MASTER_WORKSPACE`` says: "auto" (the
+    default) up to ``KEEP_LIMIT_BYTES`` (64 MiB) in all, "keep" all of them, "free" none.
 
     A fresh buffer of a few MB is a fresh mapping on a CPU (glibc returns large blocks to the
     system), and touching its pages cost ~1 ms of a 16 ms step on the reference block (CUDA's
     caching allocator keeps such blocks already). The buckets run one after another and each
     releases what it used before the next begins, so one buffer per use, as large as the largest
-    bucket, serves them all. The price: up to one bucket's temporaries (10 B per 16-bit parameter,
-    at most ``BUCKET_NUMEL`` of them) stay allocated through the forward and backward, where they
-    add to the peak (``mixprec memory`` counts them when the variable says keep: ``kept_bytes`` of each
-    strategy); so it is not the default of the memory-saving recipes. ``active`` is set by
-    the bucketed step only; elsewhere (a whole step, the fold after an exception) the temporaries
-    are allocated as before. The values are the same bits either way.
+    bucket, serves them all. The price: what is kept (up to one bucket's temporaries, 4-10 B per
+    16-bit parameter by strategy, at most ``BUCKET_NUMEL`` of them; under "auto" at most 64 MiB)
+    stays allocated through the forward and backward, where it adds to the peak (``mixprec memory``
+    counts it: ``kept_bytes`` of each strategy, bounded as here). A buffer that would pass the limit
+    is allocated afresh each time, as under "free". ``active`` is set by the bucketed step only;
+    elsewhere (a whole step, the fold after an exception) the temporaries are allocated as before.
+    The values are the same bits either way.
     """
 
     def __init__(self) -> None:
-        self.keep = workspace_mode() == "keep"
+        self.mode = workspace_mode()
+        self.limit = workspace_limit()  # bytes kept at most (None: no limit)
+        self.keep = self.limit != 0
         self.active = False
+        self.kept_bytes = 0  # what the kept buffers hold now
         self._bufs: dict[tuple[str, torch.dtype, str], torch.Tensor] = {}
 
     def get(self, use: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
@@ -133,13 +138,18 @@ class _Workspace:
         key = (use, dtype, str(device))
         buf = self._bufs.get(key)
         if buf is None or buf.numel() < numel:
+            old = 0 if buf is None else buf.numel() * buf.element_size()
+            need = numel * dtype.itemsize
+            if self.limit is not None and self.kept_bytes - old + need > self.limit:
+                return None  # past the limit: this one is allocated each time (the kept ones stay)
             buf = self._bufs[key] = torch.empty(numel, dtype=dtype, device=device)
+            self.kept_bytes += need - old
         return buf[:numel]
 
     def flat(self, use: str, tensors: Sequence[torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
         """``_flat(tensors)``, cast to ``dtype`` if given (one pass: the copy casts), in a kept buffer."""
         dtype = tensors[0].dtype if dtype is None else dtype
-        out = self.get(use, sum(t.numel() for t in tensors), dtype, tensors[0].device)
+        out = self.get(use, sum(t.numel() for t in tensors), dtype, tensors[0].device) if self.keep else None
         if out is None:
             if len(tensors) == 1 and tensors[0].dtype != dtype:
                 return tensors[0].reshape(-1).to(dtype)  # (the cast is the copy: no clone first)
@@ -149,8 +159,19 @@ class _Workspace:
             return torch.cat([t.reshape(-1) for t in tensors], out=out)
         return out.copy_(tensors[0].reshape(-1))
 
+    def describe(self) -> str:
+        """For ``mp.describe()``: what is kept, or "" when nothing is."""
+        if not self.keep:
+            return ""
+        held = f", {self.kept_bytes / 2**20:.1f} MiB now" if self.kept_bytes else ""
+        if self.limit is None:
+            return f"step temporaries kept between steps on a CPU (MIXPREC_MASTER_WORKSPACE=keep{held})"
+        return (f"step temporaries kept between steps on a CPU up to {self.limit / 2**20:.0f} MiB "
+                f"(MIXPREC_MASTER_WORKSPACE=auto{held}; =free releases them)")
+
     def clear(self) -> None:
         self._bufs = {}
+        self.kept_bytes = 0
 
 
 class _StepInBuckets:

@@ -98,9 +98,10 @@ class StorageFacts:
             not to the compute dtype (``ParamCounts.fp8_weights`` says how many).
         fsdp_refused: why ``prepare(parallel="fsdp")`` refuses the recipe (None: it runs), so
             that no per-rank FSDP2 plan is made for a set-up that cannot run.
-        kept_bytes: with ``MIXPREC_MASTER_WORKSPACE=keep`` on a CPU, the bytes per element of one
-            bucket of the step's temporaries that stay allocated between steps (so through the
-            forward and backward too); counted in the plan only when the variable says keep.
+        kept_bytes: on a CPU, the bytes per element of one bucket of the step's temporaries that
+            stay allocated between steps (so through the forward and backward too), as
+            ``MIXPREC_MASTER_WORKSPACE`` says: all of them under "keep", at most 64 MiB under "auto"
+            (the default), none under "free"; 0 on CUDA.
     """
 
     name: str
@@ -320,7 +321,9 @@ def plan(
     # activation is still alive: a transient, not a component, but part of the peak
     logits_grad = shape.batch * shape.seq * shape.vocab * 4 if shape is not None else 0
     fwd_bwd = b["gradients"] + accumulators + b["autocast weight copies"] + b["activations"] + logits_grad
-    kept = bucket * facts.kept_bytes if t16 and facts.bucket_numel and _workspace_kept() else 0
+    limit = _workspace_limit()  # what the step keeps between steps on a CPU (facts.kept_bytes is 0 elsewhere)
+    kept = bucket * facts.kept_bytes if t16 and facts.bucket_numel and limit != 0 else 0
+    kept = kept if limit is None else min(kept, limit)
     fwd_bwd += kept  # (in the step they are its temporaries, counted there already)
     # at the step the 16-bit gradients have become fp32 master gradients (counted in step-time),
     # or wait on the model for their bucket's turn (a bucket's own are freed once made fp32)
@@ -342,7 +345,9 @@ def plan(
         notes.append(f"the master-weight step is planned in buckets of {facts.bucket_numel:,} parameters; a larger "
                      "single tensor (an untied LM head) is a bucket of its own: pass --model to count it")
     if kept:
-        notes.append(f"MIXPREC_MASTER_WORKSPACE=keep: {kept / 2**20:,.1f} MiB of the step's temporaries (one bucket's) "
+        how = ("=keep: " if limit is None else
+               f"=auto (the default; at most {limit / 2**20:.0f} MiB, =free for none): up to ")
+        notes.append(f"MIXPREC_MASTER_WORKSPACE{how}{kept / 2**20:,.1f} MiB of the step's temporaries (one bucket's) "
                      "stay allocated through forward and backward on a CPU; counted in the forward/backward peak")
     if shape is None:
         notes.append("no activations: give --batch --seq --d-model --layers --heads for a transformer estimate")
@@ -382,7 +387,7 @@ def facts_from_recipe(recipe: Any, device_type: str = "cpu") -> StorageFacts:
         norm_bytes=4,
         prob_bytes=4 + compute_bytes if device_type == "cuda" and recipe.autocast and compute_bytes < 4 else None,
         fsdp_refused=unsupported(recipe),
-        kept_bytes=strategy.kept_bytes if strategy else 0,
+        kept_bytes=strategy.kept_bytes if strategy and device_type == "cpu" else 0,  # (CUDA's allocator keeps them)
     )
 
 
@@ -452,7 +457,7 @@ def _fsdp_plan(counts: ParamCounts, facts: StorageFacts, optimizer: str, shape: 
                 persistent + max(fwd_bwd, step), tuple(notes), world, "fsdp")
 
 
-def _workspace_kept() -> bool:
-    from mixprec._env import workspace_mode
+def _workspace_limit() -> int | None:
+    from mixprec._env import workspace_limit
 
-    return workspace_mode() == "keep"
+    return workspace_limit()
