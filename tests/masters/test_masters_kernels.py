@@ -153,15 +153,18 @@ def test_the_random_stream_is_uniform_and_its_halves_independent():
 @compiled_only
 @pytest.mark.parametrize("recipe", ["bf16-true-kahan", "bf16-true-sr", "bf16-true-remainder"])
 def test_training_with_compiled_kernels_is_bitwise_the_eager_run(recipe, monkeypatch):
-    def run(mode):
+    def run(mode, workspace):
         monkeypatch.setenv(K.ENV, mode)
+        monkeypatch.setenv("MIXPREC_MASTER_WORKSPACE", workspace)
         model, mp, opt = setup(recipe, accumulate=2)
         assert mp.masters.kernels.mode == mode
         train(model, mp, opt, range(6), poison={3}, max_grad_norm=1.0)  # a skipped step among them
         return mp, snapshot(model, mp, opt)
 
-    eager_mp, eager = run("eager")
-    compiled_mp, comp = run("compiled")
+    # eager kernels on fresh temporaries against compiled ones on the kept temporaries (the default)
+    eager_mp, eager = run("eager", "free")
+    compiled_mp, comp = run("compiled", "auto")
+    assert not eager_mp.masters._ws._bufs and compiled_mp.masters._ws._bufs
     assert "compiled" not in eager_mp.masters.kernels.ran and compiled_mp.masters.kernels.ran == {"compiled"}
     assert "update kernels: eager" in eager_mp.masters.describe()
     assert "update kernels: compiled" in compiled_mp.masters.describe()
