@@ -347,7 +347,7 @@ def plan(
     if kept:
         how = ("=keep: " if limit is None else
                f"=auto (the default; at most {limit / 2**20:.0f} MiB, =free for none): up to ")
-        notes.append(f"MIXPREC_MASTER_WORKSPACE{how}{kept / 2**20:,.1f} MiB of the step's temporaries (one bucket's) "
+        notes.append(f"{facts.name}: MIXPREC_MASTER_WORKSPACE{how}{kept / 2**20:,.1f} MiB of the step's temporaries (one bucket's) "
                      "stay allocated through forward and backward on a CPU; counted in the forward/backward peak")
     if shape is None:
         notes.append("no activations: give --batch --seq --d-model --layers --heads for a transformer estimate")
