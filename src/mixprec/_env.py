@@ -40,7 +40,7 @@ def workspace_mode() -> str:
                       "each step")
 
 
-def workspace_limit() -> int | None:
-    """The bytes a ``MasterWeights`` keeps between steps on a CPU: 0 (free), ``KEEP_LIMIT_BYTES``
-    (auto) or None (keep: no limit)."""
-    return {"free": 0, "auto": KEEP_LIMIT_BYTES, "keep": None}[workspace_mode()]
+def workspace_limit(mode: str | None = None) -> int | None:
+    """The bytes a ``MasterWeights`` keeps between steps on a CPU under ``mode`` (default: the
+    environment's): 0 (free), ``KEEP_LIMIT_BYTES`` (auto) or None (keep: no limit)."""
+    return {"free": 0, "auto": KEEP_LIMIT_BYTES, "keep": None}[mode or workspace_mode()]

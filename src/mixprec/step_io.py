@@ -156,12 +156,10 @@ def clip_or_measure(params: Sequence[torch.Tensor], max_norm: float | None, norm
     that grouping was a tenth of the step (35 us of a few hundred with 4 gradients, measured).
     Anything else (several devices or dtypes, sparse or subclassed gradients) goes to torch's."""
     grads = [p.grad for p in params if p.grad is not None]
-    if grads:
-        g0 = grads[0]
-        device, dtype = g0.device, g0.dtype
-        plain = all(type(g) is torch.Tensor and g.layout is torch.strided and g.device == device
-                    and g.dtype is dtype for g in grads)
-    if not grads or not plain:
+    device, dtype = (grads[0].device, grads[0].dtype) if grads else (None, None)
+    plain = bool(grads) and all(type(g) is torch.Tensor and g.layout is torch.strided and g.device == device
+                                and g.dtype is dtype for g in grads)
+    if not plain:
         if max_norm is None:
             return torch.nn.utils.get_total_norm(grads, norm_type=norm_type)
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)

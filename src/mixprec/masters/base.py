@@ -93,7 +93,7 @@ class MasterWeights(_GradFolding):
     #: bytes per element of one bucket allocated on top of that, at the worst point of the step
     #: (the flat 16-bit copies, the rounding arithmetic); measured by tests/masters.
     temp_bytes = 2
-    #: bytes per element of one bucket kept between steps on a CPU (MIXPREC_MASTER_WORKSPACE: all under keep, up to 64 MiB under auto, the default)
+    #: bytes per element of one bucket kept between steps on a CPU (as MIXPREC_MASTER_WORKSPACE says)
     kept_bytes = 4
     #: writing a value back draws random bits even when the value did not change (stochastic
     #: rounding): a bucketed step then writes back the buckets it did not step too

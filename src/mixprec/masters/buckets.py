@@ -125,7 +125,7 @@ class _Workspace:
 
     def __init__(self) -> None:
         self.mode = workspace_mode()
-        self.limit = workspace_limit()  # bytes kept at most (None: no limit)
+        self.limit = workspace_limit(self.mode)  # bytes kept at most (None: no limit)
         self.keep = self.limit != 0
         self.active = False
         self.kept_bytes = 0  # what the kept buffers hold now
@@ -149,7 +149,7 @@ class _Workspace:
     def flat(self, use: str, tensors: Sequence[torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
         """``_flat(tensors)``, cast to ``dtype`` if given (one pass: the copy casts), in a kept buffer."""
         dtype = tensors[0].dtype if dtype is None else dtype
-        out = self.get(use, sum(t.numel() for t in tensors), dtype, tensors[0].device) if self.keep else None
+        out = self.get(use, sum(t.numel() for t in tensors), dtype, tensors[0].device) if self.keep and self.active else None
         if out is None:
             if len(tensors) == 1 and tensors[0].dtype != dtype:
                 return tensors[0].reshape(-1).to(dtype)  # (the cast is the copy: no clone first)
@@ -168,10 +168,6 @@ class _Workspace:
             return f"step temporaries kept between steps on a CPU (MIXPREC_MASTER_WORKSPACE=keep{held})"
         return (f"step temporaries kept between steps on a CPU up to {self.limit / 2**20:.0f} MiB "
                 f"(MIXPREC_MASTER_WORKSPACE=auto{held}; =free releases them)")
-
-    def clear(self) -> None:
-        self._bufs = {}
-        self.kept_bytes = 0
 
 
 class _StepInBuckets:

@@ -25,7 +25,7 @@ class Fp32Masters(MasterWeights):
     """An fp32 master copy per 16-bit parameter (Apex O2, Megatron): the proxy *is* the master."""
 
     kind = "fp32"
-    kept_bytes = 4  # per bucket element kept under MIXPREC_MASTER_WORKSPACE=keep: fp32 grads
+    kept_bytes = 4  # per bucket element kept between steps (MIXPREC_MASTER_WORKSPACE): fp32 grads
     extra_bytes = 4
     value_bytes = 0  # the masters are the values: nothing to rebuild, the step runs whole
     temp_bytes = 2  # the flat 16-bit gradients of a bucket, while they become fp32
@@ -64,7 +64,7 @@ class KahanMasters(MasterWeights):
     """No master: each update is added to the 16-bit weight with a 16-bit Kahan compensation."""
 
     kind = "kahan"
-    kept_bytes = 10  # per bucket element kept under MIXPREC_MASTER_WORKSPACE=keep: fp32 grads, values, 16-bit weights
+    kept_bytes = 10  # per bucket element kept between steps (MIXPREC_MASTER_WORKSPACE): fp32 grads, values, 16-bit weights
     uses_kernels = True
     extra_bytes = 2
     temp_bytes = 22  # the compensated addition in fp32
@@ -109,7 +109,7 @@ class StochasticRoundingMasters(MasterWeights):
     """
 
     kind = "sr"
-    kept_bytes = 8  # per bucket element kept under MIXPREC_MASTER_WORKSPACE=keep: fp32 grads, values
+    kept_bytes = 8  # per bucket element kept between steps (MIXPREC_MASTER_WORKSPACE): fp32 grads, values
     uses_kernels = True
     extra_bytes = 0
     draws_on_write = True
@@ -186,7 +186,7 @@ class RemainderMasters(MasterWeights):
     """
 
     kind = "remainder"
-    kept_bytes = 6  # per bucket element kept under MIXPREC_MASTER_WORKSPACE=keep: fp32 grads, 16-bit weights
+    kept_bytes = 6  # per bucket element kept between steps (MIXPREC_MASTER_WORKSPACE): fp32 grads, 16-bit weights
     uses_kernels = True
     extra_bytes = 2
     temp_bytes = 11  # joining and splitting bit patterns
@@ -223,7 +223,7 @@ class NearestMasters(MasterWeights):
     """
 
     kind = "nearest"
-    kept_bytes = 8  # per bucket element kept under MIXPREC_MASTER_WORKSPACE=keep: fp32 grads, values
+    kept_bytes = 8  # per bucket element kept between steps (MIXPREC_MASTER_WORKSPACE): fp32 grads, values
     extra_bytes = 0
     description = "16-bit weights rounded to nearest after each step, no master (small updates vanish)"
 

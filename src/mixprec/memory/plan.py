@@ -49,6 +49,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from mixprec._env import workspace_limit  # (no torch: the arithmetic path stays torch-free)
+
 GB = 1e9  # decimal gigabytes, as the seeds quote them
 
 #: fp32 optimizer state per parameter, in bytes (every mixprec recipe keeps optimizer state fp32).
@@ -321,7 +323,7 @@ def plan(
     # activation is still alive: a transient, not a component, but part of the peak
     logits_grad = shape.batch * shape.seq * shape.vocab * 4 if shape is not None else 0
     fwd_bwd = b["gradients"] + accumulators + b["autocast weight copies"] + b["activations"] + logits_grad
-    limit = _workspace_limit()  # what the step keeps between steps on a CPU (facts.kept_bytes is 0 elsewhere)
+    limit = workspace_limit()  # what the step keeps between steps on a CPU (facts.kept_bytes is 0 elsewhere)
     kept = bucket * facts.kept_bytes if t16 and facts.bucket_numel and limit != 0 else 0
     kept = kept if limit is None else min(kept, limit)
     fwd_bwd += kept  # (in the step they are its temporaries, counted there already)
@@ -455,9 +457,3 @@ def _fsdp_plan(counts: ParamCounts, facts: StorageFacts, optimizer: str, shape: 
         notes.append(f"accumulate={accumulate}: FSDP2 keeps unsharded fp32 gradients through each window")
     return Plan(facts.name, optimizer.lower(), counts, b, persistent, fwd_bwd, step,
                 persistent + max(fwd_bwd, step), tuple(notes), world, "fsdp")
-
-
-def _workspace_limit() -> int | None:
-    from mixprec._env import workspace_limit
-
-    return workspace_limit()
