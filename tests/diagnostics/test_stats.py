@@ -141,3 +141,57 @@ def test_a_lazy_value_changed_behind_the_buffers_back_is_measured_as_it_is_now()
     i = buf.add(t)
     t.mul_(float("nan"))  # not forced: its version moved
     assert buf.read()[i].nan
+
+
+def _mixed_batch() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    sizes = [1, 7, 64, 4096, 4097, 20000]
+    out = []
+    for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        out += [torch.randn(n, generator=g).to(dtype) for n in sizes]
+    out.append(torch.randn(40, 30, generator=g).t())  # small, not contiguous
+    return out
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_screen_names_exactly_the_non_finite_tensors_among_small_and_large_of_every_dtype(bad):
+    from mixprec.diagnostics._stats import _screen
+
+    batch = _mixed_batch()
+    assert _screen(batch) == [True] * len(batch)
+    for k in range(len(batch)):  # one bad value in one tensor at a time, small groups and large
+        ts = [t.clone() for t in batch]
+        ts[k][(-1,) * ts[k].dim()] = bad
+        assert _screen(ts) == [i != k for i in range(len(ts))], (k, ts[k].dtype, ts[k].numel())
+    ts = [t.clone() for t in batch]
+    ts[0][0], ts[1][3] = float("inf"), float("-inf")  # two in one small group: a sum would give NaN
+    assert _screen(ts) == [i > 1 for i in range(len(ts))]
+
+
+def test_screen_counts_an_overflowing_sum_not_finite_and_the_buffer_then_measures_exactly():
+    from mixprec.diagnostics._stats import _screen
+
+    big = [torch.full((8,), 3e38) for _ in range(4)]  # finite values whose fp32 sum overflows
+    assert not all(_screen(big))
+    buf = StatsBuffer(lazy=True)
+    idx = [buf.add(t) for t in big]
+    ranges = buf.read()
+    assert ranges.all_finite
+    assert all((ranges[i].min, ranges[i].max) == (float(torch.tensor(3e38)),) * 2 for i in idx)
+
+
+def test_lazy_read_gives_finite_ranges_and_measures_the_bad_one_exactly():
+    batch = _mixed_batch()
+    batch[3][5] = float("nan")
+    batch[9][0] = float("-inf")
+    buf = StatsBuffer(lazy=True)
+    idx = [buf.add(t) for t in batch]
+    ranges = buf.read()
+    assert set(ranges.nonfinite) == {idx[3], idx[9]}
+    assert ranges.nonfinite[idx[3]] == (True, False) and ranges.nonfinite[idx[9]] == (False, True)
+    for i, t in zip(idx, batch):  # every range, asked for, is the exact one
+        lo, hi = _direct(t)
+        if math.isnan(lo):
+            assert ranges[i].nan
+        else:
+            assert (ranges[i].min, ranges[i].max) == (lo, hi)

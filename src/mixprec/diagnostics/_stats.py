@@ -148,40 +148,73 @@ class StatsBuffer:
         if lazy:
             with torch.no_grad():
                 items = list(lazy.items())
-                for (i, (t, version)), n in zip(items, _screen([t for _, (t, _) in items])):
-                    if math.isfinite(n) and _version(t) == version:
-                        pending[i] = t  # finite: its range is measured if anyone asks for it
-                        vals[2 * i] = vals[2 * i + 1] = _ZERO
-                    else:  # non-finite (or an overflowing norm, or changed since): measured exactly now
+                for (i, (t, version)), ok in zip(items, _screen([t for _, (t, _) in items])):
+                    if ok and _version(t) == version:
+                        pending[i] = t  # finite: its range is measured if anyone asks for it (0.0 until then)
+                    else:  # non-finite (or an overflowing sum, or changed since): measured exactly now
                         vals[2 * i], vals[2 * i + 1] = self._measure(t)
-        devices = {v.device for v in vals}
-        if len(devices) == 1:
-            # stack promotes to the widest dtype present: 16-bit values, inf and NaN survive exactly
-            flat = torch.stack(vals).cpu().tolist()
-        else:
-            flat = [0.0] * len(vals)
+        # Only the measured values travel (a lazy tensor that screened finite has none): stacking a
+        # placeholder per tensor cost as much as the screen of a small one.
+        flat = [0.0] * len(vals)
+        idxs = [j for j, v in enumerate(vals) if v is not None]
+        if idxs:
+            measured = [vals[j] for j in idxs]
+            devices = {v.device for v in measured}
             for dev in devices:
-                idxs = [i for i, v in enumerate(vals) if v.device == dev]
-                for i, v in zip(idxs, torch.stack([vals[i] for i in idxs]).cpu().tolist()):
-                    flat[i] = v
+                part = idxs if len(devices) == 1 else [j for j in idxs if vals[j].device == dev]
+                # stack promotes to the widest dtype present: 16-bit values, inf and NaN survive exactly
+                for j, v in zip(part, torch.stack([vals[j] for j in part]).cpu().tolist()):
+                    flat[j] = v
         return Ranges(flat, meta, pending)
 
 
-_ZERO = torch.zeros(())  # a finite stand-in for a lazy range not measured (Ranges measures it on demand)
+# Up to this many elements a tensor is screened with others of its dtype in one concatenation and
+# one sum: on a CPU a per-tensor reduction costs ~1.5 us of fixed overhead, a copy of a small
+# tensor much less. Larger tensors are screened in place (``_foreach_norm``): copying them would
+# cost more than reading them.
+SMALL_SCREEN = 4096
 
 
-def _screen(tensors: list[torch.Tensor]) -> list[float]:
-    """A 2-norm of each tensor, accumulated in fp32 (fp64 kept): finite exactly when the tensor is,
-    or an overflow. One ``_foreach_norm`` and one read (per dtype class)."""
-    wide = [i for i, t in enumerate(tensors) if t.dtype == torch.float64]
-    if not wide:
-        return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32)).cpu().tolist()
-    out = [0.0] * len(tensors)
-    narrow = [i for i in range(len(tensors)) if tensors[i].dtype != torch.float64]
-    for idx, kw in ((wide, {}), (narrow, {"dtype": torch.float32})):
-        if idx:
-            for i, v in zip(idx, torch.stack(torch._foreach_norm([tensors[i] for i in idx], 2, **kw)).cpu().tolist()):
-                out[i] = v
+def _screen(tensors: list[torch.Tensor]) -> list[bool]:
+    """Whether each tensor is finite (all of them read, none copied back).
+
+    Large tensors: a 2-norm each, accumulated in fp32 (fp64 kept), one ``_foreach_norm`` per dtype
+    class. Small ones: one fp32 (fp64) sum over the concatenation of each dtype's tensors; a group
+    whose sum is not finite is screened again tensor by tensor. A norm or sum that overflows reads
+    as not finite: the caller then measures that tensor exactly, so an overflow costs time, never a
+    wrong answer."""
+    out = [True] * len(tensors)
+    groups: dict[tuple[bool, torch.dtype, torch.device], list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault((t.numel() <= SMALL_SCREEN, t.dtype, t.device), []).append(i)
+    checks: list[tuple[list[int], torch.Tensor]] = []  # (indices, one finiteness value per index or per group)
+    for (small, dtype, _), idx in groups.items():
+        acc = {} if dtype == torch.float64 else {"dtype": torch.float32}
+        group = [tensors[i] for i in idx]
+        if small and len(idx) > 1:
+            checks.append((idx, torch._C._nn.flatten_dense_tensors(group).sum(**acc).reshape(1)))
+        else:
+            checks.append((idx, torch.stack(torch._foreach_norm(group, 2, **acc))))
+    by_device: dict[torch.device, list[int]] = {}
+    for k, (_, c) in enumerate(checks):
+        by_device.setdefault(c.device, []).append(k)
+    finite: list[list[bool]] = [[] for _ in checks]
+    for ks in by_device.values():  # one read per device
+        got = torch.cat([checks[k][1] for k in ks]).isfinite().cpu().tolist()
+        pos = 0
+        for k in ks:
+            n = checks[k][1].numel()
+            finite[k] = got[pos:pos + n]
+            pos += n
+    for (idx, c), ok in zip(checks, finite):
+        if len(ok) == len(idx):
+            for i, f in zip(idx, ok):
+                out[i] = f
+        elif not ok[0]:  # a small group that is not finite as a whole: find which, a norm each
+            acc = {} if tensors[idx[0]].dtype == torch.float64 else {"dtype": torch.float32}
+            norms = torch.stack(torch._foreach_norm([tensors[i] for i in idx], 2, **acc)).isfinite().cpu().tolist()
+            for i, f in zip(idx, norms):
+                out[i] = f
     return out
 
 
