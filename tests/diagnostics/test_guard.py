@@ -446,3 +446,84 @@ def test_a_value_overwritten_in_place_is_measured_before_the_op_that_overwrites_
     ev = g.first
     assert (ev.module, ev.op, ev.kind, ev.origin) == ("", "mul", "inf", "producer")  # (op names drop the _)
     assert ev.inputs[0].finite and ev.inputs[0].max >= 1e30  # what the second mul_ received: h after the first
+
+
+class _ResidualSqrt(nn.Module):
+    """sqrt(relu(.)) at zero (an inf gradient in backward) behind a residual add, a cat, a negation
+    and scalings by 0.5: each only routes (or shrinks) its gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        with torch.no_grad():
+            self.lin.weight.zero_()
+            self.lin.bias.fill_(-1.0)
+
+    def forward(self, x):
+        h = torch.sqrt(torch.relu(self.lin(x))) * 0.5 + x
+        return torch.tanh(torch.cat([h, -h], dim=1) / 2.0)  # tanh consumes the rest: nothing unwatched after it
+
+
+def test_routing_nodes_are_walked_through_and_the_producer_behind_them_is_named():
+    net = _ResidualSqrt()
+    with nan_guard(net, "record") as g:
+        net(torch.ones(2, 3)).sum().backward()
+    ev = g.first  # the cat's two halves come back as +1 and -1: sqrt's backward sees 0 / 0
+    assert (ev.phase, ev.origin, ev.op, ev.kind) == ("backward", "producer", "sqrt", "nan")
+    assert ev.node.startswith("SqrtBackward") and all(r.finite for r in ev.inputs)
+
+    from mixprec.diagnostics._trace import Tracer
+
+    tracer = Tracer(net, lazy=True).attach()
+    try:
+        net(torch.ones(2, 3)).sum().backward()
+        records, _ = tracer.take()
+    finally:
+        tracer.detach()
+    nodes = {r.node for r in records if r.phase == "backward"}
+    assert "SqrtBackward0" in nodes and "TanhBackward0" in nodes, nodes
+    assert not nodes & {"AddBackward0", "CatBackward0", "NegBackward0", "MulBackward0", "DivBackward0"}, nodes
+
+
+@pytest.mark.parametrize("factor", [1e30, -1e30])
+def test_a_scaling_by_more_than_one_stays_hooked_its_gradient_can_overflow(factor):
+    net = nn.Sequential(nn.Linear(2, 2))
+    with torch.no_grad():
+        net[0].weight.fill_(0.25)
+        net[0].bias.zero_()
+    net.forward = lambda x: torch.tanh(net[0](x) * factor)  # forward: tanh(0.1); backward: 1e10 * 1e30 overflows
+    seed = torch.full((1, 2), 1e10)
+    with nan_guard(net, "record") as g:
+        net(torch.full((1, 2), 2e-31)).backward(seed)
+    ev = g.first
+    assert (ev.phase, ev.origin, ev.op, ev.kind) == ("backward", "producer", "mul", "inf"), ev.describe()
+
+
+def test_a_routing_node_that_makes_the_output_is_still_hooked():
+    # Nothing watched consumes the residual add's output, so its incoming gradient (a NaN passed to
+    # backward) is measured at the add itself: the event says the gradient came in bad.
+    net = nn.Sequential(nn.Linear(3, 3))
+    net.forward = lambda x: net[0](x) + x  # the root module's own output is the add's
+    seed = torch.full((2, 3), float("nan"))  # made before the block: the guard would name full_like
+    with nan_guard(net, "record") as g:
+        net(torch.ones(2, 3)).backward(seed)
+    ev = g.first
+    assert (ev.phase, ev.origin, ev.op) == ("backward", "input", "add"), ev.describe()
+    assert ev.node == "AddBackward0"
+
+
+def test_a_broadcasting_add_stays_hooked_its_gradient_sum_can_overflow():
+    class Bias16(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.b = nn.Parameter(torch.zeros(2, dtype=torch.float16))
+
+        def forward(self, x):
+            return (x + self.b) * 100.0  # b's gradient: 4096 rows of 100 summed, past fp16's max
+
+    net = Bias16()
+    with nan_guard(net, "record") as g:
+        net(torch.zeros(4096, 2, dtype=torch.float16)).float().sum().backward()
+    ev = g.first
+    assert (ev.phase, ev.origin, ev.op, ev.kind) == ("backward", "producer", "add", "inf"), ev.describe()
+    assert ev.node == "AddBackward0"

@@ -46,6 +46,19 @@ _LAYOUT_NODES = frozenset(
     DetachBackward""".split()
 )
 
+# Ops whose backward hands each input the incoming gradient unchanged (or negated) when no input
+# is broadcast, promoted or scaled by ``alpha``: their nodes cannot make a non-finite gradient either,
+# so inside a module they are walked through like layout nodes (a transformer's residual adds are a
+# sixth of its hooked nodes). A broadcast add's node sums the gradient (it can overflow) and a
+# promoting one casts it down (likewise): those stay hooked.
+_ROUTE_OPS = frozenset("add add_ sub sub_ rsub neg neg_ negative".split())
+_JOIN_OPS = frozenset("cat concat concatenate stack".split())  # backward: slices, when no input is promoted
+# A tensor times a number of magnitude <= 1, or over one of >= 1: its backward scales the gradient
+# down, which cannot overflow (GPT-2's GELU has three such). A larger factor can: hooked.
+_SHRINK_OPS = {"mul": False, "mul_": False, "div": True, "div_": True}  # name -> divides?
+_ROUTE_NODES = frozenset("""AddBackward0 AddBackward1 SubBackward0 SubBackward1 RsubBackward0 RsubBackward1 NegBackward0
+    CatBackward0 StackBackward0 MulBackward0 MulBackward1 DivBackward0 DivBackward1""".split())  # Mul/Div: only when the op said so
+
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _MIXPREC_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _TASKS_DIR = os.path.join(_MIXPREC_DIR, "tasks")  # the built-in task is user code for this purpose
@@ -156,11 +169,34 @@ class _OpMode(TorchFunctionMode):
         where = tr.locate() if tr.locate_ops else None
         tr.records.append(Record("forward", call, name, None, in_idx, out_idx, sn, si, where))
         if tr.backward:
+            route = (call is not None and len(outs) == 1 and (
+                (name in _ROUTE_OPS and not kwargs and _same_layout(ins, outs[0]))
+                or (name in _JOIN_OPS and (not kwargs or kwargs.keys() == {"dim"})
+                    and all(t.dtype == outs[0].dtype for t in ins))
+                or (name in _SHRINK_OPS and not kwargs and _shrinks(args, ins, outs[0], _SHRINK_OPS[name]))))
             for t in outs:
                 fn = t.grad_fn
                 if fn is not None:
-                    tr.adopt(fn, call, name, where)
+                    tr.adopt(fn, call, name, where, route)
         return out
+
+
+def _shrinks(args: tuple, ins: list[torch.Tensor], out: torch.Tensor, divides: bool) -> bool:
+    """``t * c`` (either order) with ``|c| <= 1``, or ``t / c`` with ``|c| >= 1``: one floating tensor
+    of the output's shape and dtype and one Python number, so the gradient only shrinks."""
+    if len(args) != 2 or len(ins) != 1 or ins[0].shape != out.shape or ins[0].dtype != out.dtype:
+        return False
+    a, b = args
+    c = b if a is ins[0] else a if (b is ins[0] and not divides) else None
+    if type(c) not in (float, int):
+        return False
+    return abs(c) >= 1 if divides else abs(c) <= 1  # False for NaN
+
+
+def _same_layout(ins: list[torch.Tensor], out: torch.Tensor) -> bool:
+    """Every floating input has the output's shape and dtype (no broadcast, no promotion)."""
+    shape, dtype = out.shape, out.dtype
+    return all(t.shape == shape and t.dtype == dtype for t in ins)
 
 
 class Tracer:
@@ -207,6 +243,7 @@ class Tracer:
         self._pending_inputs: list[tuple[int | None, ...]] = []
         self._handles: list[Any] = []
         self._node_handles: list[Any] = []
+        self._routes: list[tuple[Any, _NodeInfo]] = []  # router nodes not hooked (see adopt), this forward
         self._token = 0  # this attachment; its key marks the nodes it hooked (see adopt)
         self._key = ""
         self._mode: _OpMode | None = None
@@ -274,6 +311,7 @@ class Tracer:
             # Earlier graphs keep their hooks (a backward through two forwards is watched) but we
             # drop the handles, so a long run does not pile them up; detach disarms those hooks.
             self._node_handles = []
+            self._routes = []
             self._enter_mode()
         self._serial += 1
         call = ModuleCall(name, typ, self.stack[-1] if self.stack else None, self._serial)
@@ -295,6 +333,8 @@ class Tracer:
                 for t in outs:
                     if t.grad_fn is not None:
                         self.adopt(t.grad_fn, call, None, None)
+        if not self.stack:  # an outermost call ended (the model's, or a submodule's called alone)
+            self._hook_unconsumed_routes()
         if not self.stack and module is self.model:
             self.forward_calls += 1
             if self._scope_depth == 0:
@@ -304,8 +344,14 @@ class Tracer:
 
     # ------------------------------------------------------------------ backward
 
-    def adopt(self, node: Any, call: ModuleCall | None, op: str | None, where: str | None) -> None:
-        """Hook ``node`` and the nodes behind it not seen yet: those were made by this op (or module)."""
+    def adopt(self, node: Any, call: ModuleCall | None, op: str | None, where: str | None, route: bool = False) -> None:
+        """Hook ``node`` and the nodes behind it not seen yet: those were made by this op (or module).
+
+        ``route``: the op only routes its gradient (``_ROUTE_OPS`` with inputs of its output's shape
+        and dtype); its own node, when of a routing class, is marked and walked through, not hooked.
+        The gradient reaching it is then measured where it leaves the watched node that sent it;
+        one that no watched node sends (the node makes the model's output) is hooked when the
+        forward ends (``_hook_unconsumed_routes``)."""
         key = self._key
         todo = [(node, False)]
         while todo:
@@ -330,7 +376,18 @@ class Tracer:
             info = meta[key] = _NodeInfo(self._token, call, op, name, where)
             todo.extend((f, True) for f, _ in n.next_functions)
             if kind == _HOOKED:
+                if route and n is node and cls.__name__ in _ROUTE_NODES:
+                    self._routes.append((n, info))
+                else:
+                    self._node_handles.append(n.register_hook(functools.partial(self._on_node, info)))
+
+    def _hook_unconsumed_routes(self) -> None:
+        """Hook the router nodes of this forward that no watched op consumed: their incoming
+        gradient (the model's output's) would be measured by nobody."""
+        for n, info in self._routes:
+            if not info.consumed:
                 self._node_handles.append(n.register_hook(functools.partial(self._on_node, info)))
+        self._routes = []
 
     def _on_node(self, info: "_NodeInfo", grad_inputs: tuple, grad_outputs: tuple) -> None:
         if info.token != self._token:
