@@ -276,6 +276,7 @@ class Tracer:
         for h in self._node_handles:
             h.remove()
         self._node_handles = []
+        self._routes = []
         self._token = 0  # hooks left on older graphs (handles already dropped) now do nothing
         if self._mode is not None and self._scope_depth == 0:
             self._exit_mode()
