@@ -4,8 +4,8 @@ Two measurements, one command:
 
 1. On the tiny Hugging Face GPT-2 (as ``guard_overhead.py`` builds it), the unguarded step against the
    same step under a ``TorchFunctionMode`` whose handler only calls the function, and against the step
-   with an empty forward pre- and post-hook on every module. Interleaved rounds, ratio per round;
-   median with the 6th-lowest and 6th-highest of 40 as the bounds.
+   with an empty forward pre- and post-hook on every module. Interleaved rounds (the order rotated
+   each round), ratio per round: median and 95% bootstrap interval.
 2. Per op, on a chain of ``torch.mul`` calls on a 64-element tensor outside any module
    (``Tracer(outside_modules=True, lazy=True)``): the forward, the backward and the read at the check,
    without the tracer and with it (full; without source lines; without the backward hooks).
@@ -30,16 +30,17 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.overrides import TorchFunctionMode  # noqa: E402
 
+from mixprec.instruments.timing import interleaved_order, paired_ratio  # noqa: E402
+
 
 class _EmptyMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         return func(*args, **(kwargs or {}))
 
 
-def _bounds(r: list[float]) -> str:
-    r = sorted(r)
-    k = max(0, len(r) * 6 // 40 - 1)
-    return f"{statistics.median(r):.3f} ({r[k]:.3f}-{r[-1 - k]:.3f})"
+def _ratio(numer: list[float], denom: list[float]) -> str:
+    r = paired_ratio(numer, denom)
+    return f"{r['median']:.3f} ({r['ci95_low']:.3f}-{r['ci95_high']:.3f})"
 
 
 def model_floor(rounds: int) -> None:
@@ -74,15 +75,14 @@ def model_floor(rounds: int) -> None:
         for _ in range(5):
             f()
     times: dict[str, list[float]] = {k: [] for k in arms}
-    for _ in range(rounds):
-        for k, f in arms.items():
-            t = time.perf_counter()
-            f()
-            times[k].append(time.perf_counter() - t)
+    for _, k in interleaved_order(list(arms), rounds):
+        t = time.perf_counter()
+        arms[k]()
+        times[k].append(time.perf_counter() - t)
     print(f"tiny GPT-2, fp32, 1 thread, {rounds} interleaved rounds; unguarded step {statistics.median(times['off']) * 1e3:.2f} ms")
     print("| arm | step / unguarded |\n|---|---|")
     for k in ("empty-mode", "module-hooks"):
-        print(f"| {k} | {_bounds([a / b for a, b in zip(times[k], times['off'])])} |")
+        print(f"| {k} | {_ratio(times[k], times['off'])} |")
 
 
 def per_op(n_ops: int, reps: int = 30) -> None:

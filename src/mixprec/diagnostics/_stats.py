@@ -158,8 +158,7 @@ class StatsBuffer:
         flat = [0.0] * len(vals)
         idxs = [j for j, v in enumerate(vals) if v is not None]
         if idxs:
-            measured = [vals[j] for j in idxs]
-            devices = {v.device for v in measured}
+            devices = {vals[j].device for j in idxs}
             for dev in devices:
                 part = idxs if len(devices) == 1 else [j for j in idxs if vals[j].device == dev]
                 # stack promotes to the widest dtype present: 16-bit values, inf and NaN survive exactly
@@ -176,46 +175,52 @@ SMALL_SCREEN = 4096
 
 
 def _screen(tensors: list[torch.Tensor]) -> list[bool]:
-    """Whether each tensor is finite (all of them read, none copied back).
+    """Whether each tensor is finite, with one read per device.
 
-    Large tensors: a 2-norm each, accumulated in fp32 (fp64 kept), one ``_foreach_norm`` per dtype
-    class. Small ones: one fp32 (fp64) sum over the concatenation of each dtype's tensors; a group
-    whose sum is not finite is screened again tensor by tensor. A norm or sum that overflows reads
-    as not finite: the caller then measures that tensor exactly, so an overflow costs time, never a
-    wrong answer."""
+    Large tensors: a 2-norm each (one ``_foreach_norm`` per dtype). Small ones: one sum over a
+    concatenated copy of each dtype's tensors; a group whose sum is not finite is screened again,
+    a norm each. Both accumulate in fp32 (fp64 kept). A norm or sum that overflows reads as not
+    finite: the caller then measures that tensor exactly, so an overflow costs time, never a wrong
+    answer."""
     out = [True] * len(tensors)
     groups: dict[tuple[bool, torch.dtype, torch.device], list[int]] = {}
     for i, t in enumerate(tensors):
         groups.setdefault((t.numel() <= SMALL_SCREEN, t.dtype, t.device), []).append(i)
-    checks: list[tuple[list[int], torch.Tensor]] = []  # (indices, one finiteness value per index or per group)
+    checks: list[tuple[list[int], torch.Tensor]] = []  # (indices, one value per index, or one for the group)
     for (small, dtype, _), idx in groups.items():
-        acc = {} if dtype == torch.float64 else {"dtype": torch.float32}
         group = [tensors[i] for i in idx]
         if small and len(idx) > 1:
-            checks.append((idx, torch._C._nn.flatten_dense_tensors(group).sum(**acc).reshape(1)))
+            checks.append((idx, torch._C._nn.flatten_dense_tensors(group).sum(**_accumulate(dtype)).reshape(1)))
         else:
-            checks.append((idx, torch.stack(torch._foreach_norm(group, 2, **acc))))
+            checks.append((idx, _norms(group)))
     by_device: dict[torch.device, list[int]] = {}
     for k, (_, c) in enumerate(checks):
         by_device.setdefault(c.device, []).append(k)
     finite: list[list[bool]] = [[] for _ in checks]
-    for ks in by_device.values():  # one read per device
+    for ks in by_device.values():
         got = torch.cat([checks[k][1] for k in ks]).isfinite().cpu().tolist()
         pos = 0
         for k in ks:
             n = checks[k][1].numel()
             finite[k] = got[pos:pos + n]
             pos += n
-    for (idx, c), ok in zip(checks, finite):
-        if len(ok) == len(idx):
-            for i, f in zip(idx, ok):
-                out[i] = f
-        elif not ok[0]:  # a small group that is not finite as a whole: find which, a norm each
-            acc = {} if tensors[idx[0]].dtype == torch.float64 else {"dtype": torch.float32}
-            norms = torch.stack(torch._foreach_norm([tensors[i] for i in idx], 2, **acc)).isfinite().cpu().tolist()
-            for i, f in zip(idx, norms):
-                out[i] = f
+    for (idx, _), ok in zip(checks, finite):
+        if len(ok) < len(idx):  # a small group's one sum
+            if ok[0]:
+                continue
+            ok = _norms([tensors[i] for i in idx]).isfinite().cpu().tolist()  # not finite as a whole: which?
+        for i, f in zip(idx, ok):
+            out[i] = f
     return out
+
+
+def _accumulate(dtype: torch.dtype) -> dict[str, torch.dtype]:
+    return {} if dtype == torch.float64 else {"dtype": torch.float32}
+
+
+def _norms(group: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of each tensor of one dtype, stacked."""
+    return torch.stack(torch._foreach_norm(group, 2, **_accumulate(group[0].dtype)))
 
 
 def _version(t: torch.Tensor) -> int:

@@ -184,7 +184,7 @@ class _OpMode(TorchFunctionMode):
 def _shrinks(args: tuple, ins: list[torch.Tensor], out: torch.Tensor, divides: bool) -> bool:
     """``t * c`` (either order) with ``|c| <= 1``, or ``t / c`` with ``|c| >= 1``: one floating tensor
     of the output's shape and dtype and one Python number, so the gradient only shrinks."""
-    if len(args) != 2 or len(ins) != 1 or ins[0].shape != out.shape or ins[0].dtype != out.dtype:
+    if len(args) != 2 or len(ins) != 1 or not _same_layout(ins, out):
         return False
     a, b = args
     c = b if a is ins[0] else a if (b is ins[0] and not divides) else None
@@ -334,9 +334,10 @@ class Tracer:
                 for t in outs:
                     if t.grad_fn is not None:
                         self.adopt(t.grad_fn, call, None, None)
-        if not self.stack:  # an outermost call ended (the model's, or a submodule's called alone)
-            self._hook_unconsumed_routes()
-        if not self.stack and module is self.model:
+        if self.stack:
+            return
+        self._hook_unconsumed_routes()  # an outermost call ended (the model's, or a submodule's called alone)
+        if module is self.model:
             self.forward_calls += 1
             if self._scope_depth == 0:
                 self._exit_mode()
@@ -348,8 +349,9 @@ class Tracer:
     def adopt(self, node: Any, call: ModuleCall | None, op: str | None, where: str | None, route: bool = False) -> None:
         """Hook ``node`` and the nodes behind it not seen yet: those were made by this op (or module).
 
-        ``route``: the op only routes its gradient (``_ROUTE_OPS`` with inputs of its output's shape
-        and dtype); its own node, when of a routing class, is marked and walked through, not hooked.
+        ``route``: the op hands its gradient on unchanged or smaller (the op mode decides: a
+        same-layout add/sub/neg, a one-dtype cat/stack, a scaling that shrinks); its own node, when
+        of a routing class (``_ROUTE_NODES``), is marked and walked through, not hooked.
         The gradient reaching it is then measured where it leaves the watched node that sent it;
         one that no watched node sends (the node makes the model's output) is hooked when the
         forward ends (``_hook_unconsumed_routes``)."""
