@@ -180,6 +180,25 @@ def test_screen_counts_an_overflowing_sum_not_finite_and_the_buffer_then_measure
     assert all((ranges[i].min, ranges[i].max) == (float(torch.tensor(3e38)),) * 2 for i in idx)
 
 
+def test_screen_accumulates_fp16_in_fp32_and_bf16_in_its_own_range():
+    from mixprec.diagnostics._stats import _accumulate, _screen
+
+    # fp16 values of 300: the 2-norm (9487 for 1000, 76800 for 65536) or the sum leaves fp16's range,
+    # not fp32's; screened in fp16 they would all read as not finite and be measured again, one by one.
+    halves = [torch.full((n,), 300.0, dtype=torch.float16) for n in (8, 1000, 5000, 65536)]
+    assert _screen(halves) == [True] * 4
+    assert _accumulate(torch.float16) == {"dtype": torch.float32}
+    assert _accumulate(torch.float32) == _accumulate(torch.bfloat16) == _accumulate(torch.float64) == {}
+    # bf16 shares fp32's range: a bf16 norm overflows only where an fp32 one would, and then the
+    # buffer measures the tensor exactly.
+    big = torch.full((5000,), 1e37, dtype=torch.bfloat16)
+    assert _screen([big, torch.ones(5000, dtype=torch.bfloat16)]) == [False, True]
+    buf = StatsBuffer(lazy=True)
+    i = buf.add(big)
+    r = buf.read()
+    assert r.all_finite and r[i].max == float(big[0])
+
+
 def test_lazy_read_gives_finite_ranges_and_measures_the_bad_one_exactly():
     batch = _mixed_batch()
     batch[3][5] = float("nan")

@@ -179,9 +179,9 @@ def _screen(tensors: list[torch.Tensor]) -> list[bool]:
 
     Large tensors: a 2-norm each (one ``_foreach_norm`` per dtype). Small ones: one sum over a
     concatenated copy of each dtype's tensors; a group whose sum is not finite is screened again,
-    a norm each. Both accumulate in fp32 (fp64 kept). A norm or sum that overflows reads as not
-    finite: the caller then measures that tensor exactly, so an overflow costs time, never a wrong
-    answer."""
+    a norm each. Both give fp32 for fp16 and the tensor's own dtype otherwise (``_accumulate``). A
+    norm or sum that overflows reads as not finite: the caller then measures that tensor exactly,
+    so an overflow costs time, never a wrong answer."""
     out = [True] * len(tensors)
     groups: dict[tuple[bool, torch.dtype, torch.device], list[int]] = {}
     for i, t in enumerate(tensors):
@@ -215,7 +215,11 @@ def _screen(tensors: list[torch.Tensor]) -> list[bool]:
 
 
 def _accumulate(dtype: torch.dtype) -> dict[str, torch.dtype]:
-    return {} if dtype == torch.float64 else {"dtype": torch.float32}
+    """fp32 results for a dtype whose range is narrower than fp32's (fp16: a norm of values ~300
+    overflows it); the tensor's own dtype otherwise. Asking fp32 of an fp32 or bf16 tensor is not
+    free: a CPU ``_foreach_norm`` then takes a slower path (measured on 4.9M elements, AVX-512:
+    fp32 1.59 against 1.36 ms, bf16 2.05 against 1.03 ms), and bf16 overflows where fp32 does."""
+    return {"dtype": torch.float32} if torch.finfo(dtype).max < 2.0**127 else {}  # fp32's exponent range or wider
 
 
 def _norms(group: list[torch.Tensor]) -> torch.Tensor:
