@@ -10,6 +10,10 @@ The hand-written twins do what the mixprec step does, no more:
 - bf16-mixed: cast, grad, AdamW, and the same all-finite check and keep (skip_nonfinite skips non-finite steps
   whatever the recipe); ``--bf16-unchecked`` adds the bare step without the check, for reference.
 
+``--hand-count`` adds a third twin: the hand-written step plus the skip record mixprec keeps (an int32[2]
+state leaf, ``[skipped so far, last step skipped]``), so the ratio against it is the price of the policy and
+the loss scale alone, the record being a feature the plain twin lacks.
+
     python benchmarks/jax_step_overhead.py                       # both recipes, 15 rounds of 20 steps
     python benchmarks/jax_step_overhead.py --rounds 30 --json benchmarks/results/jax_step_overhead_m2.json
 """
@@ -79,7 +83,7 @@ def make_mixprec(recipe):
     return step, tx.init
 
 
-def make_hand(recipe, checked=True):
+def make_hand(recipe, checked=True, count=False):
     dtype = jnp.float16 if recipe == "fp16-mixed" else jnp.bfloat16
     scaled = recipe == "fp16-mixed"
     opt = optax.adamw(1e-3)
@@ -88,6 +92,8 @@ def make_hand(recipe, checked=True):
         state = {"opt": opt.init(params)}
         if scaled:
             state.update(scale=jnp.float32(2.0**16), counter=jnp.int32(0))
+        if count:
+            state["skips"] = jnp.zeros([2], jnp.int32)
         return state
 
     @jax.jit
@@ -114,6 +120,8 @@ def make_hand(recipe, checked=True):
             grow = state["counter"] == 1999
             new_state["scale"] = jnp.where(finite, jnp.where(grow, scale * 2, scale), jnp.maximum(1.0, scale / 2))
             new_state["counter"] = jnp.where(finite, (state["counter"] + 1) % 2000, 0)
+        if count:  # skip_nonfinite's record, written the same way: [count + s, s]
+            new_state["skips"] = state["skips"] * jnp.array([1, 0], jnp.int32) + (~finite).astype(jnp.int32)
         return keep(new_params, params), new_state
 
     return step, init
@@ -159,6 +167,8 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--dims", type=int, nargs="+", default=DIMS, help="the MLP's widths, input to output")
     ap.add_argument("--bf16-unchecked", action="store_true", help="also time bf16 without the finiteness check")
+    ap.add_argument("--hand-count", action="store_true",
+                    help="also time the hand-written step with mixprec's skip record (skipped count, last-skipped flag)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     DIMS[:] = args.dims
@@ -176,6 +186,8 @@ def main(argv=None):
         arms = {"mixprec": make_mixprec(recipe), "hand": make_hand(recipe)}
         if args.bf16_unchecked and recipe == "bf16-mixed":
             arms["hand-unchecked"] = make_hand(recipe, checked=False)
+        if args.hand_count:
+            arms["hand+count"] = make_hand(recipe, count=True)
         state = {}
         info = {}
         for name, (step, init) in arms.items():
@@ -214,6 +226,13 @@ def main(argv=None):
         if "hand-unchecked" in times:
             r2 = _ci(np.array(times["mixprec"]) / np.array(times["hand-unchecked"]))
             results[recipe]["ratio_mixprec_over_unchecked"] = {"median": r2[0], "ci95": [r2[1], r2[2]]}
+        if "hand+count" in times:
+            r3 = _ci(np.array(times["mixprec"]) / np.array(times["hand+count"]))
+            results[recipe]["ratio_mixprec_over_hand_count"] = {"median": r3[0], "ci95": [r3[1], r3[2]]}
+            hc = set(info["hand+count"]["hlo"]) | set(info["mixprec"]["hlo"])
+            results[recipe]["hlo_extra_over_hand_count"] = {
+                k: info["mixprec"]["hlo"][k] - info["hand+count"]["hlo"][k] for k in sorted(hc)
+                if info["mixprec"]["hlo"][k] != info["hand+count"]["hlo"][k]}
         ms = results[recipe]["ms"]
         print(f"\n{recipe}: mixprec {ms['mixprec']:.3f} ms, hand {ms['hand']:.3f} ms per step; "
               f"ratio {med:.3f} [{lo:.3f}-{hi:.3f}]; compile {info['mixprec']['compile_s']:.2f} s vs "
@@ -221,6 +240,11 @@ def main(argv=None):
         if "ratio_mixprec_over_unchecked" in results[recipe]:
             u = results[recipe]["ratio_mixprec_over_unchecked"]
             print(f"  against the step without a finiteness check: {u['median']:.3f} [{u['ci95'][0]:.3f}-{u['ci95'][1]:.3f}]")
+        if "ratio_mixprec_over_hand_count" in results[recipe]:
+            c = results[recipe]["ratio_mixprec_over_hand_count"]
+            print(f"  against the hand-written step with the same skip record: {c['median']:.3f} "
+                  f"[{c['ci95'][0]:.3f}-{c['ci95'][1]:.3f}]; optimized HLO instructions mixprec minus it: "
+                  f"{results[recipe]['hlo_extra_over_hand_count'] or 'none'}")
         print(f"  jaxpr equations {results[recipe]['jaxpr_eqns']}; extra {extra_jaxpr or '-'}; fewer {fewer_jaxpr or '-'}")
         print(f"  optimized HLO instructions {results[recipe]['hlo_instructions']}; extra {extra_hlo or '-'}; "
               f"fewer {fewer_hlo or '-'}")
