@@ -84,6 +84,19 @@ def test_a_whole_pickled_model_says_to_save_its_state_dict(tmp_path, capsys):
     assert "torch.save(model.state_dict(), path)" in err and "\x1b[" not in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("content", [b"garbage, not a torch.save file", "half"])
+def test_a_file_that_is_not_a_torch_save_is_not_called_a_pickled_model(tmp_path, capsys, content):
+    path = tmp_path / "w.pt"
+    if content == "half":  # a torn save: the first half of a real state_dict file
+        torch.save(torch.nn.Linear(2, 2).state_dict(), path)
+        content = path.read_bytes()[: path.stat().st_size // 2]
+    path.write_bytes(content)
+    assert main(["infer-check", *SMALL, "--weights", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "cannot be read as a torch.save file of tensors" in err
+    assert "pickled Python objects" not in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_cuda_without_cuda_says_so_in_the_words_compare_uses(capsys):
     assert main(["infer-check", *SMALL, "--device", "cuda"]) == 2

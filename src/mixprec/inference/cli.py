@@ -192,11 +192,13 @@ def _load_weights(model: Any, path: str) -> None:
     except FileNotFoundError:
         raise _Fail(f"--weights {path!r}: no such file") from None
     except Exception as e:
-        if "Weights only load failed" in str(e):  # a pickled object: most often torch.save(model)
+        text = re.sub(r"\x1b\[[0-9;]*m", "", str(e))  # (no terminal escapes)
+        if "Weights only load failed" in text and "Unsupported global" in text:  # most often torch.save(model)
             raise _Fail(f"--weights {path!r} holds pickled Python objects (a whole model saved with "
                         "torch.save(model)?), not a state_dict of tensors; mixprec never unpickles code. Save "
                         "torch.save(model.state_dict(), path) and pass that file") from None
-        first = re.sub(r"\x1b\[[0-9;]*m", "", str(e)).splitlines()[0] if str(e) else ""  # (no terminal escapes)
+        detail = re.search(r"WeightsUnpickler error:\s*(\S[^\n]*)", text)  # not a pickle at all, or a torn one
+        first = detail.group(1) if detail else (text.splitlines()[0] if text else "")
         raise _Fail(f"--weights {path!r} cannot be read as a torch.save file of tensors: {type(e).__name__}: "
                     f"{first}") from None
     if isinstance(state, dict) and "model" in state and isinstance(state["model"], dict):
