@@ -209,8 +209,7 @@ def main(argv=None):
                 jax.block_until_ready(s)
                 times[name].append((time.perf_counter() - t0) / args.steps)
                 state[name] = s
-        ratio = np.array(times["mixprec"]) / np.array(times["hand"])
-        med, lo, hi = _ci(ratio)
+        med, lo, hi = _ci(np.array(times["mixprec"]) / np.array(times["hand"]))
         extra_jaxpr = {k: v for k, v in (info["mixprec"]["jaxpr"] - info["hand"]["jaxpr"]).items()}
         fewer_jaxpr = {k: v for k, v in (info["hand"]["jaxpr"] - info["mixprec"]["jaxpr"]).items()}
         extra_hlo = {k: v for k, v in (info["mixprec"]["hlo"] - info["hand"]["hlo"]).items()}
@@ -223,16 +222,14 @@ def main(argv=None):
             "hlo_instructions": {n: sum(i["hlo"].values()) for n, i in info.items()},
             "jaxpr_extra": extra_jaxpr, "jaxpr_fewer": fewer_jaxpr, "hlo_extra": extra_hlo, "hlo_fewer": fewer_hlo,
         }
-        if "hand-unchecked" in times:
-            r2 = _ci(np.array(times["mixprec"]) / np.array(times["hand-unchecked"]))
-            results[recipe]["ratio_mixprec_over_unchecked"] = {"median": r2[0], "ci95": [r2[1], r2[2]]}
-        if "hand+count" in times:
-            r3 = _ci(np.array(times["mixprec"]) / np.array(times["hand+count"]))
-            results[recipe]["ratio_mixprec_over_hand_count"] = {"median": r3[0], "ci95": [r3[1], r3[2]]}
-            hc = set(info["hand+count"]["hlo"]) | set(info["mixprec"]["hlo"])
-            results[recipe]["hlo_extra_over_hand_count"] = {
-                k: info["mixprec"]["hlo"][k] - info["hand+count"]["hlo"][k] for k in sorted(hc)
-                if info["mixprec"]["hlo"][k] != info["hand+count"]["hlo"][k]}
+        for twin, key in (("hand-unchecked", "ratio_mixprec_over_unchecked"), ("hand+count", "ratio_mixprec_over_hand_count")):
+            if twin in times:
+                m, a, b = _ci(np.array(times["mixprec"]) / np.array(times[twin]))
+                results[recipe][key] = {"median": m, "ci95": [a, b]}
+        if "hand+count" in times:  # signed: what mixprec's program has more (or fewer) of than the twin's
+            diff = Counter(info["mixprec"]["hlo"])
+            diff.subtract(info["hand+count"]["hlo"])
+            results[recipe]["hlo_extra_over_hand_count"] = {k: v for k, v in sorted(diff.items()) if v}
         ms = results[recipe]["ms"]
         print(f"\n{recipe}: mixprec {ms['mixprec']:.3f} ms, hand {ms['hand']:.3f} ms per step; "
               f"ratio {med:.3f} [{lo:.3f}-{hi:.3f}]; compile {info['mixprec']['compile_s']:.2f} s vs "
