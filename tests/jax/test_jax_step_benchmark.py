@@ -36,3 +36,14 @@ def test_every_arm_is_timed_and_the_skip_record_compiles_like_the_hand_written_o
         assert extra.get("fusion", 0) <= 0, (recipe, extra)
         assert r["hlo_instructions"]["hand+count"] > r["hlo_instructions"]["hand"]
     assert "ratio_mixprec_over_unchecked" in results["bf16-mixed"]
+
+
+@pytest.mark.slow
+def test_the_dispatch_benchmark_times_every_form_of_the_state(monkeypatch, capsys):
+    script = SCRIPT.parent / "jax_dispatch.py"
+    monkeypatch.setattr(sys, "argv", [str(script), "--rounds", "2", "--calls", "2", "--recipes", "fp16-mixed"])
+    runpy.run_path(str(script), run_name="__main__")
+    out = capsys.readouterr().out
+    for form in ("mixprec's state", "as a tuple", "minimal Python node", "hand-written dict"):
+        assert form in out
+    assert out.count("16 leaves") == 4  # every form holds the same leaves
