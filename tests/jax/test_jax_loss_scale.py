@@ -239,3 +239,38 @@ def test_a_batch_of_scales_with_a_ceiling_is_checked_per_element():
     assert out.loss_scale.tolist() == [8.0, 4.0, 8.0]
     with pytest.raises(ValueError, match=r"loss_scale \(\[8.0, 4096.0\]\) is above max_loss_scale"):
         mpj.DynamicLossScale(jnp.array([8.0, 4096.0]), max_loss_scale=2.0**10)
+
+
+def test_equal_configurations_share_one_aux_object_and_the_treedef_text_is_unchanged():
+    """jit compares and hashes the argument treedefs at every call: a DynamicLossScale's aux data is one interned
+    object per configuration, so equal configurations give equal treedefs by identity and a different floor, dtype
+    or hysteresis gives a different treedef. The text (which checkpoints store and compare) is the plain tuple's."""
+    def aux(ls):
+        return jax.tree_util.tree_structure(ls).node_data()[1]
+
+    a = mpj.DynamicLossScale(jnp.float32(4.0), min_loss_scale=jnp.float32(0.5))
+    b = mpj.DynamicLossScale(jnp.float32(1024.0), jnp.int32(7), min_loss_scale=np.float32(0.5))
+    assert aux(a) is aux(b)
+    assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
+    assert aux(jax.jit(lambda s: s.adjust(jnp.bool_(True)))(a)) is aux(a)
+    for other in (mpj.DynamicLossScale(jnp.float32(4.0), min_loss_scale=jnp.float32(0.25)),
+                  mpj.DynamicLossScale(jnp.float32(4.0), min_loss_scale=jnp.float16(0.5)),
+                  mpj.DynamicLossScale(jnp.float32(4.0), min_loss_scale=jnp.float32(0.5), hysteresis=2)):
+        assert jax.tree_util.tree_structure(other) != jax.tree_util.tree_structure(a)
+    assert str(jax.tree_util.tree_structure(a)) == \
+        "PyTreeDef(CustomNode(DynamicLossScale[(2000, 2, 0.5, None, 1, False)], [*, *]))"
+    assert tuple(aux(a)) == (2000, 2, aux(a)[2], None, 1, False)
+
+
+def test_treedefs_pickle_and_a_plain_tuple_aux_still_unflattens():
+    ls = mpj.DynamicLossScale(jnp.float32(8.0), min_loss_scale=jnp.float32(0.25), hysteresis=3, max_loss_scale=2.0**10)
+    leaves, treedef = jax.tree_util.tree_flatten(ls)
+    back = pickle.loads(pickle.dumps(treedef))
+    assert back == treedef
+    rebuilt = back.unflatten(leaves)
+    assert (rebuilt.hysteresis, float(rebuilt.min_loss_scale), float(rebuilt.max_loss_scale)) == (3, 0.25, 2.0**10)
+    # the aux data as a tuple (its form before it was interned) rebuilds the same configuration
+    from mixprec.jax.loss_scale import DynamicLossScale as cls
+    old_style = cls.tree_unflatten(tuple(treedef.node_data()[1]), leaves)
+    assert jax.tree_util.tree_structure(old_style) == treedef
+    assert float(_run(old_style, [False] * 8).loss_scale) == float(_run(ls, [False] * 8).loss_scale) == 0.25

@@ -103,7 +103,6 @@ def _new(cls: type, **fields: Any) -> Any:
 
 
 _HYSTERESIS_LEFT: dict[int, np.ndarray] = {}
-_TEMPLATES: dict[Any, dict[str, Any]] = {}
 
 
 def _full_hysteresis(h: int) -> np.ndarray:
@@ -114,6 +113,51 @@ def _full_hysteresis(h: int) -> np.ndarray:
         a = _HYSTERESIS_LEFT[h] = np.full([], h, np.int32)
         a.setflags(write=False)
     return a
+
+
+class _Config:
+    """A ``DynamicLossScale``'s configuration, its pytree aux data: one object per distinct configuration
+    (``_config`` interns them), so the treedef hash and comparison jit does at every call are identity
+    checks in C rather than Python ``__hash__``/``__eq__`` calls, and unflattening copies a prepared field
+    dict. Its repr, part of ``str(treedef)`` (which checkpoints store), is the configuration tuple's."""
+
+    __slots__ = ("key", "template", "extra_leaf")
+
+    def __init__(self, key: _Meta) -> None:
+        period, factor, lo, hi, hysteresis, consecutive = key
+        self.key = key
+        self.extra_leaf = hysteresis > 1  # hysteresis_left is a leaf
+        self.template = {
+            "period": period, "factor": factor, "min_loss_scale": lo.value,
+            "max_loss_scale": None if hi is None else hi.value, "hysteresis": hysteresis,
+            "consecutive_hysteresis": consecutive, "hysteresis_left": _full_hysteresis(hysteresis), "_aux": self,
+        }
+
+    def __iter__(self) -> Any:
+        return iter(self.key)
+
+    def __len__(self) -> int:
+        return len(self.key)
+
+    def __getitem__(self, i: Any) -> Any:
+        return self.key[i]
+
+    def __repr__(self) -> str:
+        return repr(self.key)
+
+    def __reduce__(self) -> tuple[Any, tuple[_Meta]]:
+        return _config, (self.key,)
+
+
+_CONFIGS: dict[_Meta, _Config] = {}
+
+
+def _config(key: _Meta) -> _Config:
+    """The one ``_Config`` for this configuration: compared by value here, once, not at every jit call."""
+    c = _CONFIGS.get(key)
+    if c is None:
+        c = _CONFIGS[key] = _Config(key)
+    return c
 
 
 @dataclasses.dataclass(frozen=True)
@@ -272,42 +316,22 @@ class DynamicLossScale:
         inv_loss_scale = 1 / self.loss_scale
         return jax.tree_util.tree_map(lambda x: x * inv_loss_scale, tree)
 
-    def _meta(self) -> _Meta:
+    def _meta(self) -> _Config:
         hi = None if self.max_loss_scale is None else _static(self.max_loss_scale, "DynamicLossScale", "max_loss_scale")
-        return (self.period, self.factor, _static(self.min_loss_scale, "DynamicLossScale", "min_loss_scale"), hi,
-                self.hysteresis, self.consecutive_hysteresis)
+        return _config((self.period, self.factor, _static(self.min_loss_scale, "DynamicLossScale", "min_loss_scale"), hi,
+                        self.hysteresis, self.consecutive_hysteresis))
 
-    def tree_flatten(self) -> tuple[_Data, _Meta]:
-        data = (self.loss_scale, self.counter)
-        if self.hysteresis > 1:
-            data += (self.hysteresis_left,)
-        meta = self.__dict__.get("_aux")
-        if meta is None:  # cached: jit flattens its arguments at every call, and the meta is configuration
-            meta = self.__dict__["_aux"] = self._meta()
-        return data, meta
+    def tree_flatten(self) -> tuple[_Data, _Config]:
+        return _flatten_dynamic(self)
 
-    def tree_flatten_with_keys(self) -> tuple[tuple[tuple[Any, Any], ...], _Meta]:
-        data, meta = self.tree_flatten()
+    def tree_flatten_with_keys(self) -> tuple[tuple[tuple[Any, Any], ...], _Config]:
+        data, meta = _flatten_dynamic(self)
         names = ("loss_scale", "counter", "hysteresis_left")
         return tuple((tree_util.GetAttrKey(n), v) for n, v in zip(names, data)), meta
 
     @classmethod
-    def tree_unflatten(cls, meta: _Meta, data: _Data) -> DynamicLossScale:
-        template = _TEMPLATES.get(meta)
-        if template is None:  # the configuration fields, built once per configuration (jit unflattens every call)
-            period, factor, lo, hi, hysteresis, consecutive = meta
-            template = _TEMPLATES[meta] = {
-                "period": period, "factor": factor, "min_loss_scale": lo.value,
-                "max_loss_scale": None if hi is None else hi.value, "hysteresis": hysteresis,
-                "consecutive_hysteresis": consecutive, "hysteresis_left": _full_hysteresis(hysteresis), "_aux": meta,
-            }
-        obj = object.__new__(cls)
-        d = obj.__dict__
-        d.update(template)
-        d["loss_scale"], d["counter"] = data[0], data[1]
-        if len(data) > 2:
-            d["hysteresis_left"] = data[2]
-        return obj
+    def tree_unflatten(cls, meta: _Config, data: _Data) -> DynamicLossScale:
+        return _unflatten_dynamic(meta, data)
 
     def adjust(self, grads_finite: Any) -> DynamicLossScale:
         """Returns the next state dependent on whether grads are finite."""
@@ -343,11 +367,37 @@ class DynamicLossScale:
 
 register_empty_pytree(NoOpLossScale)
 tree_util.register_pytree_node(StaticLossScale, _static_flatten, _static_unflatten)
+
+
+def _flatten_dynamic(s: DynamicLossScale) -> tuple[_Data, _Config]:
+    # jit runs this for every argument at every call: plain dict reads, no method calls
+    d = s.__dict__
+    meta = d.get("_aux")
+    if meta is None:  # cached on the object: the meta is configuration
+        meta = d["_aux"] = s._meta()
+    if meta.extra_leaf:
+        return (d["loss_scale"], d["counter"], d["hysteresis_left"]), meta
+    return (d["loss_scale"], d["counter"]), meta
+
+
+def _unflatten_dynamic(meta: _Config, data: _Data) -> DynamicLossScale:
+    if type(meta) is not _Config:  # a plain configuration tuple
+        meta = _config(tuple(meta))
+    obj = _object_new(DynamicLossScale)
+    d = obj.__dict__
+    d.update(meta.template)
+    d["loss_scale"], d["counter"] = data[0], data[1]
+    if meta.extra_leaf:
+        d["hysteresis_left"] = data[2]
+    return obj
+
+
+_object_new = object.__new__
 tree_util.register_pytree_with_keys(
     DynamicLossScale,
     lambda s: s.tree_flatten_with_keys(),
-    DynamicLossScale.tree_unflatten,
-    lambda s: s.tree_flatten(),
+    _unflatten_dynamic,
+    _flatten_dynamic,
 )
 
 LossScale = Union[NoOpLossScale, StaticLossScale, DynamicLossScale]
