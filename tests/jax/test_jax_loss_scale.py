@@ -274,3 +274,26 @@ def test_treedefs_pickle_and_a_plain_tuple_aux_still_unflattens():
     old_style = cls.tree_unflatten(tuple(treedef.node_data()[1]), leaves)
     assert jax.tree_util.tree_structure(old_style) == treedef
     assert float(_run(old_style, [False] * 8).loss_scale) == float(_run(ls, [False] * 8).loss_scale) == 0.25
+
+
+def test_leafless_scales_share_one_aux_object_keep_their_treedef_text_and_pickle():
+    def aux(ls):
+        return jax.tree_util.tree_structure(ls).node_data()[1]
+
+    assert aux(mpj.NoOpLossScale()) is aux(mpj.NoOpLossScale())
+    assert aux(mpj.StaticLossScale(2.0**10)) is aux(mpj.StaticLossScale(2.0**10))
+    assert aux(mpj.StaticLossScale(2.0**10)) is not aux(mpj.StaticLossScale(2.0**11))
+    assert aux(mpj.StaticLossScale(np.float32(2.0**10))) is not aux(mpj.StaticLossScale(2.0**10))  # dtype counts
+    assert str(jax.tree_util.tree_structure(mpj.NoOpLossScale())) == "PyTreeDef(CustomNode(NoOpLossScale[NoOpLossScale()], []))"
+    assert str(jax.tree_util.tree_structure(mpj.StaticLossScale(2.0**10))) == "PyTreeDef(CustomNode(StaticLossScale[1024.0], []))"
+    for ls in (mpj.NoOpLossScale(), mpj.StaticLossScale(2.0**10)):
+        treedef = jax.tree_util.tree_structure(ls)
+        back = pickle.loads(pickle.dumps(treedef))
+        assert back == treedef and back.unflatten([]) == ls
+        assert pickle.loads(pickle.dumps(ls)) == ls
+        rebuilt = jax.jit(lambda s: s)(ls)
+        assert type(rebuilt) is type(ls) and rebuilt == ls
+    assert float(jax.jit(lambda s: s.scale(jnp.float32(3.0)))(mpj.StaticLossScale(2.0**10))) == 3072.0
+    # the aux of a treedef pickled before it was interned (a _Static) still unflattens
+    from mixprec.jax.loss_scale import _static, _static_unflatten
+    assert float(_static_unflatten(_static(2.0**3, "StaticLossScale", "loss_scale"), ()).loss_scale) == 8.0

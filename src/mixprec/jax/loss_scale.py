@@ -214,16 +214,50 @@ class StaticLossScale:
         return self
 
 
-def _static_flatten(s: StaticLossScale) -> tuple[tuple[()], _Static]:
-    aux = s.__dict__.get("_aux")
+class _LeaflessAux:
+    """The aux data of a loss scale without leaves (``NoOpLossScale``, ``StaticLossScale``): one object per
+    distinct configuration, holding the instance that unflattening hands back. jit compares and hashes
+    the treedef at every call; this compares by identity, in C. Its repr is the one ``str(treedef)`` (which
+    checkpoints store) showed before: the ``NoOpLossScale()`` object's, or the static scale's value."""
+
+    __slots__ = ("instance", "text", "_reduce")
+
+    def __init__(self, instance: Any, text: str, reduce: tuple[Any, tuple[Any, ...]]) -> None:
+        self.instance, self.text, self._reduce = instance, text, reduce
+
+    def __repr__(self) -> str:
+        return self.text
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return self._reduce
+
+
+_STATIC_AUX: dict[Any, _LeaflessAux] = {}
+
+
+def _static_aux(value: Any) -> _LeaflessAux:
+    """The one aux object for a static scale of this value (dtype, shape and bytes)."""
+    key = _static(value, "StaticLossScale", "loss_scale")
+    aux = _STATIC_AUX.get(key)
+    if aux is None:
+        instance = _new(StaticLossScale, loss_scale=value)
+        aux = _STATIC_AUX[key] = _LeaflessAux(instance, repr(key), (_static_aux, (value,)))
+        instance.__dict__["_aux"] = aux
+    return aux
+
+
+def _static_flatten(s: StaticLossScale) -> tuple[tuple[()], _LeaflessAux]:
+    d = s.__dict__
+    aux = d.get("_aux")
     if aux is None:  # cached: jit flattens its arguments at every call
-        aux = _static(s.loss_scale, "StaticLossScale", "loss_scale")
-        s.__dict__["_aux"] = aux
+        aux = d["_aux"] = _static_aux(s.loss_scale)
     return (), aux
 
 
-def _static_unflatten(aux: _Static, leaves: Any) -> StaticLossScale:
-    return _new(StaticLossScale, loss_scale=aux.value, _aux=aux)
+def _static_unflatten(aux: Any, leaves: Any) -> StaticLossScale:
+    if type(aux) is not _LeaflessAux:  # a _Static, from a treedef pickled before the aux was interned
+        aux = _static_aux(aux.value)
+    return aux.instance
 
 
 def _bool_scalar(pred: Any, what: str) -> jax.Array:
@@ -365,7 +399,10 @@ class DynamicLossScale:
         return _new(type(self), **fields)  # validated when built; jit must not re-check traced values
 
 
-register_empty_pytree(NoOpLossScale)
+_NOOP = NoOpLossScale()
+_NOOP_AUX = _LeaflessAux(_NOOP, repr(_NOOP), (getattr, (NoOpLossScale, "_aux")))
+NoOpLossScale._aux = _NOOP_AUX  # what the aux unpickles to (a class attribute: no field, no instance state)
+tree_util.register_pytree_node(NoOpLossScale, lambda s: ((), _NOOP_AUX), lambda aux, _: _NOOP)
 tree_util.register_pytree_node(StaticLossScale, _static_flatten, _static_unflatten)
 
 
