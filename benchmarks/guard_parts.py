@@ -46,7 +46,7 @@ def _switch(variant: str) -> None:
             def __init__(self, node):
                 self.node = node
 
-        def adopt(self, node, call, op, where):
+        def adopt(self, node, call, op, where, route=False):
             todo = [(node, False)]
             while todo:
                 n, via_edge = todo.pop()
