@@ -47,20 +47,23 @@ def _switch(variant: str) -> None:
                 self.node = node
 
         def adopt(self, node, call, op, where, route=False):
-            todo = [(node, False)]
+            todo = [node]
             while todo:
-                n, via_edge = todo.pop()
-                if n is None or T._node_kind(type(n)) == T._ACCUMULATE:
+                n = todo.pop()
+                if n is None:
+                    continue
+                c = T._NODE_CLASSES.get(type(n)) or T._node_class(n)
+                if c[0] == T._ACCUMULATE:
                     continue
                 meta = n.metadata
                 mark = meta.get(self._key)
                 if mark is not None:
-                    if via_edge:
+                    if n is not node:
                         mark.consumed = True
                     continue
-                name = T._NODE_NAMES.get(type(n)) or T._NODE_NAMES.setdefault(type(n), n.name())
-                meta[self._key] = T._NodeInfo(self._token, call, op, name, where)
-                todo.extend((f, True) for f, _ in n.next_functions)
+                meta[self._key] = T._NodeInfo(self._token, call, op, c[1], where)
+                for f, _ in n.next_functions:
+                    todo.append(f)
 
         T.Tracer.adopt = adopt
 

@@ -96,7 +96,8 @@ class StatsBuffer:
                         return hit[2]
                 except RuntimeError:
                     pass
-        if t.numel() == 0 or t.is_sparse or t.is_complex():
+        numel = t.numel()
+        if numel == 0 or t.is_sparse or t.is_complex():
             return None
         version = -1
         if cache:
@@ -105,8 +106,9 @@ class StatsBuffer:
             except RuntimeError:  # inference tensors have no version counter
                 cache = False
         idx = len(self._meta)
-        self._meta.append((t.dtype, t.shape))
-        if self.lazy and t.numel() <= LAZY_NUMEL and t.dtype not in _FP8 and cache:
+        dtype = t.dtype
+        self._meta.append((dtype, t.shape))
+        if self.lazy and numel <= LAZY_NUMEL and dtype not in _FP8 and cache:
             self._lazy[idx] = (t, version)
             self._vals.append(None)
             self._vals.append(None)

@@ -73,7 +73,6 @@ _quiet = torch._C.DisableTorchFunction
 
 _ACCUMULATE, _LAYOUT, _HOOKED = 0, 1, 2
 _NODE_KINDS: dict[type, int] = {}
-_NODE_NAMES: dict[type, str] = {}  # node class -> its name() (a custom Function's node class is its own)
 
 
 def _node_kind(cls: type) -> int:
@@ -89,6 +88,17 @@ def _node_kind(cls: type) -> int:
             kind = _HOOKED
         kind = _NODE_KINDS[cls] = kind
     return kind
+
+
+_NODE_CLASSES: dict[type, tuple[int, str, bool]] = {}  # node class -> (kind, name(), a routing class?);
+# name() is per class: a custom Function's node class is its own
+
+
+def _node_class(node: Any) -> tuple[int, str, bool]:
+    """``adopt``'s one lookup per node: its class's kind, name and whether it is a routing class."""
+    cls = type(node)
+    c = _NODE_CLASSES[cls] = (_node_kind(cls), node.name(), cls.__name__ in _ROUTE_NODES)
+    return c
 
 
 @dataclasses.dataclass(eq=False)
@@ -356,12 +366,16 @@ class Tracer:
         one that no watched node sends (the node makes the model's output) is hooked when the
         forward ends (``_hook_unconsumed_routes``)."""
         key = self._key
-        todo = [(node, False)]
+        classes = _NODE_CLASSES
+        todo = [node]
         while todo:
-            n, via_edge = todo.pop()
+            n = todo.pop()
             if n is None:
                 continue
-            kind = _node_kind(type(n))
+            c = classes.get(type(n))
+            if c is None:
+                c = _node_class(n)
+            kind = c[0]
             if kind == _ACCUMULATE:
                 continue  # a leaf's .grad: the gradient reaching it was already seen leaving its consumer
             # The mark lives on the C++ node (its metadata dict), so it cannot be confused with
@@ -369,17 +383,14 @@ class Tracer:
             meta = n.metadata
             mark = meta.get(key)
             if mark is not None:
-                if via_edge:  # a watched op uses this node's output: its gradient comes from us
+                if n is not node:  # reached by an edge: a watched op uses its output, so its gradient comes from us
                     mark.consumed = True
                 continue
-            cls = type(n)
-            name = _NODE_NAMES.get(cls)
-            if name is None:
-                name = _NODE_NAMES[cls] = n.name()
-            info = meta[key] = _NodeInfo(self._token, call, op, name, where)
-            todo.extend((f, True) for f, _ in n.next_functions)
+            info = meta[key] = _NodeInfo(self._token, call, op, c[1], where)
+            for f, _ in n.next_functions:  # a loop, not a generator: this runs for every new node
+                todo.append(f)
             if kind == _HOOKED:
-                if route and n is node and cls.__name__ in _ROUTE_NODES:
+                if route and c[2] and n is node:
                     self._routes.append((n, info))
                 else:
                     self._node_handles.append(n.register_hook(functools.partial(self._on_node, info)))
