@@ -297,3 +297,24 @@ def test_leafless_scales_share_one_aux_object_keep_their_treedef_text_and_pickle
     # the aux of a treedef pickled before it was interned (a _Static) still unflattens
     from mixprec.jax.loss_scale import _static, _static_unflatten
     assert float(_static_unflatten(_static(2.0**3, "StaticLossScale", "loss_scale"), ()).loss_scale) == 8.0
+
+
+def test_configurations_nobody_holds_are_not_kept():
+    """The interned aux objects live as long as a loss scale, treedef or jit cache holds them: a loop that builds
+    a StaticLossScale per value (a hand-made schedule) does not grow a table without bound."""
+    import gc
+
+    from mixprec.jax import loss_scale as L
+
+    held = mpj.StaticLossScale(2.0**10)
+    held_aux = jax.tree_util.tree_structure(held).node_data()[1]
+    before = len(L._STATIC_AUX), len(L._CONFIGS)
+    for i in range(2000):
+        s = mpj.StaticLossScale(1.0 + i / 4096)
+        jax.tree_util.tree_structure(s)
+        d = mpj.DynamicLossScale(jnp.float32(4.0), period=10 + i)
+        jax.tree_util.tree_structure(d)
+    del s, d
+    gc.collect()
+    assert len(L._STATIC_AUX) <= before[0] + 1 and len(L._CONFIGS) <= before[1] + 1
+    assert jax.tree_util.tree_structure(mpj.StaticLossScale(2.0**10)).node_data()[1] is held_aux  # still interned

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+import weakref
 from typing import Any, TypeVar, Union
 
 import jax
@@ -121,7 +122,7 @@ class _Config:
     checks in C rather than Python ``__hash__``/``__eq__`` calls, and unflattening copies a prepared field
     dict. Its repr, part of ``str(treedef)`` (which checkpoints store), is the configuration tuple's."""
 
-    __slots__ = ("key", "template", "extra_leaf")
+    __slots__ = ("key", "template", "extra_leaf", "__weakref__")
 
     def __init__(self, key: _Meta) -> None:
         period, factor, lo, hi, hysteresis, consecutive = key
@@ -149,7 +150,9 @@ class _Config:
         return _config, (self.key,)
 
 
-_CONFIGS: dict[_Meta, _Config] = {}
+# Weak values: an entry lives as long as something holds its object (a loss scale, a treedef, jit's cache), so
+# every live configuration has exactly one object, and configurations nobody uses any more are not kept.
+_CONFIGS: weakref.WeakValueDictionary[_Meta, _Config] = weakref.WeakValueDictionary()
 
 
 def _config(key: _Meta) -> _Config:
@@ -220,7 +223,7 @@ class _LeaflessAux:
     the treedef at every call; this compares by identity, in C. Its repr is the one ``str(treedef)`` (which
     checkpoints store) showed before: the ``NoOpLossScale()`` object's, or the static scale's value."""
 
-    __slots__ = ("instance", "text", "_reduce")
+    __slots__ = ("instance", "text", "_reduce", "__weakref__")
 
     def __init__(self, instance: Any, text: str, reduce: tuple[Any, tuple[Any, ...]]) -> None:
         self.instance, self.text, self._reduce = instance, text, reduce
@@ -232,7 +235,7 @@ class _LeaflessAux:
         return self._reduce
 
 
-_STATIC_AUX: dict[Any, _LeaflessAux] = {}
+_STATIC_AUX: weakref.WeakValueDictionary[Any, _LeaflessAux] = weakref.WeakValueDictionary()  # as _CONFIGS
 
 
 def _static_aux(value: Any) -> _LeaflessAux:
