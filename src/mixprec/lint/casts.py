@@ -17,6 +17,12 @@ opt = accelerator.prepare(...)``), or the cast is in place and comes after the o
 parameters are the cast ones). Rebindings that keep the parameters do not count: ``model =
 model.cuda()``, ``model = model.to(device)``, ``model = DDP(model)``, ``torch.compile(model)``.
 
+A model built while ``torch.set_default_dtype(torch.bfloat16)`` (or ``float16``, or
+``torch.set_default_tensor_type(torch.cuda.HalfTensor)``) is in force has 16-bit parameters too: it is
+reported when the call is at module level or in the function that binds the model, the model is bound
+after it with no reset to fp32 in between, and a torch optimizer is built over its parameters later
+with no cast back to fp32 (``model = model.float()``, ``model.to(torch.float32)``) in between.
+
 Silent when the file uses a library that keeps master weights itself (apex, DeepSpeed, mixprec),
 when the model gets adapters whose parameters are upcast (``cast_training_params``,
 ``add_adapter``, ``get_peft_model``), and when it goes through an Accelerate set-up with FSDP or
@@ -46,6 +52,10 @@ _ADAPTERS = frozenset({"cast_training_params", "add_adapter", "get_peft_model", 
                        "prepare_model_for_kbit_training", "load_adapter"})
 _COPIES = frozenset({"float", "double", "detach", "clone", "to", "type", "new_tensor", "copy_"})
 _SHARDING_PLUGINS = frozenset({"fsdp_plugin", "deepspeed_plugin", "parallelism_config"})
+_TENSOR_TYPES = {"torch.HalfTensor": "fp16", "torch.cuda.HalfTensor": "fp16", "torch.BFloat16Tensor": "bf16",
+                 "torch.cuda.BFloat16Tensor": "bf16", "torch.FloatTensor": "fp32", "torch.cuda.FloatTensor": "fp32",
+                 "torch.DoubleTensor": "fp64", "torch.cuda.DoubleTensor": "fp64"}
+_UPCASTS = frozenset({"float", "double"})
 
 
 @dataclass(frozen=True)
@@ -285,18 +295,22 @@ class HalfModels:
                 return True
         return False
 
-    def _rebinds(self, k: str, after: ast.AST, before: ast.AST) -> bool:
-        """Whether ``k`` is bound again, between ``after`` and ``before`` in their scope, to
-        something that may not keep its parameters."""
-        script = self.script
+    def _bindings(self) -> dict[str, list[ast.stmt]]:
+        """Key -> the statements that bind it (assignments), in file order."""
         if self._binds is None:
             self._binds = {}
-            for node in script.nodes:
+            for node in self.script.nodes:
                 if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
                     targets = node.targets if isinstance(node, ast.Assign) else [node.target]
                     for stored in {key_of(n) for t in targets for n in ast.walk(t)} - {None}:
                         self._binds.setdefault(stored, []).append(node)
-        for node in self._binds.get(k, ()):
+        return self._binds
+
+    def _rebinds(self, k: str, after: ast.AST, before: ast.AST) -> bool:
+        """Whether ``k`` is bound again, between ``after`` and ``before`` in their scope, to
+        something that may not keep its parameters."""
+        script = self.script
+        for node in self._bindings().get(k, ()):
             if after.lineno < node.lineno < before.lineno and script.same_scope(node, after, k):
                 if not self._keeps(k, getattr(node, "value", None)):
                     return True
@@ -318,6 +332,89 @@ class HalfModels:
                 return False  # back to fp32
             node = node.func.value
         return key_of(node) == k
+
+    # --- the default dtype ------------------------------------------------------------------
+
+    def default_dtypes(self) -> list[tuple[ast.Call, frozenset | None, str]]:
+        """Each ``torch.set_default_dtype(d)`` / ``set_default_tensor_type(t)`` call: (call, the dtypes it
+        may set, or None when unknown, the argument as written)."""
+        out = []
+        for call in self.script.calls:
+            q = self.script.qualname(call.func)
+            if q == "torch.set_default_dtype":
+                arg = argument(call, 0, "d")
+                if arg is not None:
+                    out.append((call, dtypes_of(self.script, arg), ast.unparse(arg)))
+            elif q == "torch.set_default_tensor_type":
+                arg = argument(call, 0, "t")
+                if arg is None:
+                    continue
+                name = arg.value if isinstance(arg, ast.Constant) and isinstance(arg.value, str) else self.script.qualname(arg)
+                kind = _TENSOR_TYPES.get(name or "")
+                out.append((call, None if kind is None else frozenset({kind}), ast.unparse(arg)))
+        return out
+
+    def _upcasts(self, node: ast.AST | None) -> bool:
+        """A call chain with ``.float()``, ``.double()`` or ``.to(torch.float32)`` in it."""
+        while isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            method = node.func.attr
+            if method in _UPCASTS and not node.args:
+                return True
+            if method in ("to", "type") and any((dtypes_of(self.script, a) or frozenset()) - _SIXTEEN
+                                                for a in (*node.args, *(kw.value for kw in node.keywords))):
+                return True
+            node = node.func.value
+        return False
+
+    def _upcast_between(self, k: str, after: ast.AST, before: ast.AST) -> bool:
+        """``k.float()`` / ``k.to(torch.float32)`` called on ``k`` between the two, in their scope."""
+        return any(after.lineno < c.lineno < before.lineno and isinstance(c.func, ast.Attribute)
+                   and key_of(_root(c)) == k and self.script.same_scope(c, after, k) and self._upcasts(c)
+                   for c in self.script.calls)
+
+    def default_dtype_hits(self, trained: dict[str, list[tuple[ast.Call, set]]]) -> list[Hit]:
+        script = self.script
+        sets = self.default_dtypes()
+        sixteen = [(c, d, t) for c, d, t in sets if d is not None and d & _SIXTEEN]
+        if not sixteen:
+            return []
+        resets = [c for c, d, _ in sets if d is not None and not d & _SIXTEEN]
+        bindings = self._bindings()
+        hits = []
+        for call, kinds, text in sixteen:
+            at = script.owner(call)
+            found = None
+            for k, opts in trained.items():
+                root = k if k.startswith("self.") else k.split(".")[0]
+                binds = sorted({id(b): b for b in bindings.get(k, []) + bindings.get(root, [])}.values(),
+                               key=lambda b: b.lineno)
+                for opt, _ in opts:
+                    build = None  # the statement that made the trained module: the last binding before the
+                    for b in reversed([b for b in binds if b.lineno < opt.lineno and script.same_scope(b, opt, k)]):
+                        value = getattr(b, "value", None)  # optimizer that does not keep the old parameters
+                        if self._upcasts(value):
+                            break  # model = model.float(): fp32 again
+                        if not self._keeps(k, value):
+                            build = b
+                            break
+                    if build is None or build.lineno <= call.lineno or (at is not None and script.owner(build) is not at):
+                        continue
+                    if any(call.lineno < r.lineno < build.lineno for r in resets):
+                        continue  # the default was fp32 again when the model was built
+                    if self._upcast_between(k, build, opt) or self._exempt(k, opt):
+                        continue
+                    found = (k, build, opt)
+                    break
+                if found:
+                    break
+            if found:
+                k, build, opt = found
+                when = "" if kinds <= _SIXTEEN else f" when {text} is 16-bit"
+                hits.append(Hit("MP106", call, (
+                    f"torch.{call.func.attr}({text}) makes new tensors 16-bit{when}: {k} is built under it "
+                    f"(line {build.lineno}) and its parameters are given to the optimizer (line {opt.lineno}): "
+                    "no fp32 master weights")))
+        return hits
 
     def hits(self) -> list[Hit]:
         script = self.script
@@ -346,7 +443,7 @@ class HalfModels:
                 message = (f"{cast.key} is cast to 16 bits{when} after its optimizer was built over its parameters "
                            f"(line {after[0].lineno}): the optimizer updates the 16-bit weights, no fp32 master copy")
             hits.append(Hit("MP106", cast.call, message))
-        return hits
+        return hits + self.default_dtype_hits(trained)
 
 
 def _builder_params(script: Script, func) -> frozenset[str]:
