@@ -17,6 +17,11 @@ opt = accelerator.prepare(...)``), or the cast is in place and comes after the o
 parameters are the cast ones). Rebindings that keep the parameters do not count: ``model =
 model.cuda()``, ``model = model.to(device)``, ``model = DDP(model)``, ``torch.compile(model)``.
 
+Casts that do not look like one count too: each parameter in a loop (``p.data = p.data.half()``, or
+``m.half()`` over ``model.modules()``), ``model.apply(fn)`` with an ``fn`` that casts its module, a helper of
+the file that does either (``convert_weights(model)``; OpenAI CLIP's ``clip.model.convert_weights`` too),
+and ``model, preprocess = clip.load(...)`` unless ``device="cpu"`` (CLIP's weights are fp16 elsewhere).
+
 A model built while ``torch.set_default_dtype(torch.bfloat16)`` (or ``float16``, or
 ``torch.set_default_tensor_type(torch.cuda.HalfTensor)``) is in force has 16-bit parameters too: it is
 reported when the call is at module level or in the function that binds the model, the model is bound
@@ -56,6 +61,10 @@ _TENSOR_TYPES = {"torch.HalfTensor": "fp16", "torch.cuda.HalfTensor": "fp16", "t
                  "torch.cuda.BFloat16Tensor": "bf16", "torch.FloatTensor": "fp32", "torch.cuda.FloatTensor": "fp32",
                  "torch.DoubleTensor": "fp64", "torch.cuda.DoubleTensor": "fp64"}
 _UPCASTS = frozenset({"float", "double"})
+_MODULE_LOOPS = frozenset({"parameters", "named_parameters", "modules", "named_modules", "children", "named_children"})
+# Library calls that cast a model's weights to fp16 in place (argument index), or return such a model
+_KNOWN_CASTERS = {"clip.model.convert_weights": 0, "clip.convert_weights": 0}  # OpenAI CLIP
+_KNOWN_HALF_BUILDERS = {"clip.load": "is loaded with fp16 weights by clip.load (on any device but the CPU)"}
 
 
 @dataclass(frozen=True)
@@ -66,6 +75,7 @@ class Cast:
     in_place: bool  # model.half() / model.to(...) on the module itself, as opposed to from_pretrained
     dtypes: frozenset
     dtype_text: str
+    what: str = "is cast to 16 bits"  # how the message says it became 16-bit
 
 
 def _cast(script: Script, node: ast.AST) -> tuple[ast.Call, frozenset, str] | None:
@@ -121,6 +131,13 @@ def _clash(a: set, b: set) -> bool:
     return any((text, not holds) in b for text, holds in a)
 
 
+def _base_name(node: ast.AST) -> str | None:
+    """``l`` for ``l.weight.data``; None when the chain does not start at a plain name."""
+    while isinstance(node, (ast.Attribute, ast.Subscript)):
+        node = node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
 def _root(node: ast.AST) -> ast.AST:
     while isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
         node = node.func.value
@@ -149,6 +166,129 @@ class HalfModels:
             if found is not None and k is not None:
                 call, kinds, text = found
                 out.append(Cast(k, call, node, in_place, kinds, text))
+        return out + self._indirect_casts()
+
+    # --- casts that do not look like one: per parameter, through apply(), by a helper -----------
+
+    def _indirect_casts(self) -> list[Cast]:
+        """``for p in model.parameters(): p.data = p.data.half()`` (or over ``modules()``),
+        ``model.apply(fn)`` with an ``fn`` that casts its module, ``convert_weights(model)`` (a helper of the
+        file that does either, or OpenAI CLIP's), and ``model, _ = clip.load(...)``."""
+        script, out = self.script, []
+        for node in script.nodes:
+            if isinstance(node, ast.For):
+                found = self._loop_cast(node)
+                if found is not None:
+                    k, (call, kinds, text) = found
+                    out.append(Cast(k, call, node, True, kinds, text, "has its weights cast to 16 bits one by one"))
+            elif isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):
+                found = self._call_cast(node.value)
+                if found is not None:
+                    k, kinds, text, how = found
+                    out.append(Cast(k, node.value, node, True, kinds, text, f"is cast to 16 bits by {how}"))
+            elif isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.value, ast.Call):
+                text = _KNOWN_HALF_BUILDERS.get(script.qualname(node.value.func) or "")
+                device = argument(node.value, 1, "device")
+                if isinstance(device, ast.Constant) and device.value == "cpu":
+                    continue  # clip.load(..., device="cpu") returns fp32 weights
+                target = node.targets[0]
+                first = target.elts[0] if isinstance(target, ast.Tuple) and target.elts else target
+                k = key_of(first)
+                if text is not None and k is not None:
+                    out.append(Cast(k, node.value, node, False, frozenset({"fp16"}), "clip.load", text))
+        return out
+
+    def _data_cast(self, node: ast.AST) -> tuple[str, tuple[ast.Call, frozenset, str]] | None:
+        """(root name, the cast) for ``x.weight.data = <16-bit cast>`` or ``m.half()`` / ``m.to(torch.bfloat16)``."""
+        if isinstance(node, ast.Assign) and len(node.targets) == 1:
+            target = node.targets[0]
+            if isinstance(target, ast.Attribute) and target.attr == "data":
+                found = _cast(self.script, node.value)
+                root = _base_name(target)
+                if found is not None and root is not None:
+                    return root, found
+        elif isinstance(node, ast.Expr):
+            found = _cast(self.script, node.value)
+            if found is not None:
+                root = _base_name(_root(found[0]))
+                if root is not None:
+                    return root, found
+        return None
+
+    def _loop_cast(self, loop: ast.For) -> tuple[str, tuple[ast.Call, frozenset, str]] | None:
+        """(model key, the cast) for a loop over a model's parameters or modules that casts each."""
+        it = loop.iter
+        if not (isinstance(it, ast.Call) and isinstance(it.func, ast.Attribute) and it.func.attr in _MODULE_LOOPS):
+            return None
+        k = key_of(it.func.value)
+        target = loop.target.elts[-1] if isinstance(loop.target, ast.Tuple) and loop.target.elts else loop.target
+        if k is None or not isinstance(target, ast.Name):
+            return None
+        for node in ast.walk(loop):
+            found = self._data_cast(node)
+            if found is not None and found[0] == target.id:
+                return k, found[1]
+        return None
+
+    def _call_cast(self, call: ast.Call) -> tuple[str, frozenset, str] | None:
+        """(model key, dtypes, dtype text, what casts it) for ``model.apply(fn)`` with a casting ``fn``, or a
+        helper call that casts its argument in place."""
+        script = self.script
+        func = call.func
+        if isinstance(func, ast.Attribute) and func.attr == "apply" and len(call.args) == 1:
+            k, fn = key_of(func.value), call.args[0]
+            if k is None:
+                return None
+            if isinstance(fn, ast.Lambda) and fn.args.args:
+                found = _cast(script, fn.body)
+                if found is not None and _base_name(_root(found[0])) == fn.args.args[0].arg:
+                    return k, found[1], found[2], f"{k}.apply"
+                return None
+            if isinstance(fn, ast.Name):
+                defs = script.functions.get(fn.id, [])
+                if len(defs) == 1 and defs[0].args.args:
+                    cast = self.casting_params(defs[0]).get(defs[0].args.args[0].arg)
+                    if cast is not None:
+                        return k, cast[0], cast[1], f"{k}.apply({fn.id})"
+            return None
+        index = _KNOWN_CASTERS.get(script.qualname(func) or "")
+        if index is not None:
+            k = key_of(argument(call, index, "model"))
+            return None if k is None else (k, frozenset({"fp16"}), "fp16", ast.unparse(func))
+        found = definition_of(script, call)
+        if found is None or found[1] is not script:
+            return None
+        casts = self.casting_params(found[0])
+        names = [p.arg for p in (*found[0].args.posonlyargs, *found[0].args.args)]
+        for index, name in enumerate(names):
+            if name in casts:
+                k = key_of(argument(call, index, name))
+                if k is not None:
+                    return k, casts[name][0], casts[name][1], ast.unparse(func)
+        return None
+
+    def casting_params(self, func) -> dict[str, tuple[frozenset, str]]:
+        """The parameters of ``func`` (a def of this file) whose weights it casts to 16 bits in place, with
+        the cast's dtypes and text: directly, per parameter or module in a loop, or through ``apply``."""
+        memo = self.__dict__.setdefault("_casting", {})
+        if id(func) in memo:
+            return memo[id(func)]
+        memo[id(func)] = {}  # a recursive helper casts nothing more by calling itself
+        names = {p.arg for p in (*func.args.posonlyargs, *func.args.args)}
+        out: dict[str, tuple[frozenset, str]] = {}
+        for node in ast.walk(func):
+            if isinstance(node, ast.For):
+                found = self._loop_cast(node)
+                if found is not None and found[0].split(".")[0] in names:
+                    out.setdefault(found[0].split(".")[0], found[1][1:])
+            elif isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):
+                via = self._call_cast(node.value)
+                if via is not None and via[0].split(".")[0] in names:
+                    out.setdefault(via[0].split(".")[0], via[1:3])
+            found = self._data_cast(node)
+            if found is not None and found[0] in names:
+                out.setdefault(found[0], found[1][1:])
+        memo[id(func)] = out
         return out
 
     # --- what the optimizers train -------------------------------------------------------
@@ -431,16 +571,17 @@ class HalfModels:
             opts = [o for o, f in opts if script.same_scope(cast.call, o, cast.key) and not _clash(facts, f)]
             if not opts or self._exempt(cast.key, cast.call):
                 continue
-            before = [o for o in opts if o.lineno > cast.stmt.lineno and not self._rebinds(cast.key, cast.stmt, o)]
+            before = [o for o in opts if o.lineno > cast.stmt.lineno and not self._rebinds(cast.key, cast.stmt, o)
+                      and not self._upcast_between(cast.key, cast.stmt, o)]
             after = [o for o in opts if o.lineno < cast.stmt.lineno] if cast.in_place and self._trains_after(cast) else []
             if not before and not after:
                 continue
             when = "" if cast.dtypes <= _SIXTEEN else f" when {cast.dtype_text} is 16-bit"
             if before:
-                message = (f"{cast.key} is cast to 16 bits{when} and its parameters are given to the optimizer: "
+                message = (f"{cast.key} {cast.what}{when} and its parameters are given to the optimizer: "
                            f"no fp32 master weights")
             else:
-                message = (f"{cast.key} is cast to 16 bits{when} after its optimizer was built over its parameters "
+                message = (f"{cast.key} {cast.what}{when} after its optimizer was built over its parameters "
                            f"(line {after[0].lineno}): the optimizer updates the 16-bit weights, no fp32 master copy")
             hits.append(Hit("MP106", cast.call, message))
         return hits + self.default_dtype_hits(trained)
