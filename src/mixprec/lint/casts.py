@@ -37,16 +37,15 @@ DeepSpeed (which upcast the trained parameters to fp32).
 from __future__ import annotations
 
 import ast
-from dataclasses import dataclass
 
 from mixprec.lint.dtypes import dtypes as dtypes_of
 from mixprec.lint.dtypes import values
+from mixprec.lint.hidden_casts import _SIXTEEN, Cast, DefaultDtypes, IndirectCasts, _cast, _root
 from mixprec.lint.names import Script, argument, key_of, normalized_test
 from mixprec.lint.report import Hit
 from mixprec.lint.savers import definition_of
 
 _STRATEGY_LIBS = frozenset({"apex", "mixprec", "deepspeed"})  # own master weights / step order
-_SIXTEEN = frozenset({"fp16", "bf16"})
 _KEEPS = frozenset({"cuda", "cpu", "to", "train", "eval", "requires_grad_", "share_memory", "xpu", "npu", "half",
                     "bfloat16", "apply", "zero_grad"})
 _WRAPPERS = frozenset({
@@ -57,45 +56,6 @@ _ADAPTERS = frozenset({"cast_training_params", "add_adapter", "get_peft_model", 
                        "prepare_model_for_kbit_training", "load_adapter"})
 _COPIES = frozenset({"float", "double", "detach", "clone", "to", "type", "new_tensor", "copy_"})
 _SHARDING_PLUGINS = frozenset({"fsdp_plugin", "deepspeed_plugin", "parallelism_config"})
-_TENSOR_TYPES = {"torch.HalfTensor": "fp16", "torch.cuda.HalfTensor": "fp16", "torch.BFloat16Tensor": "bf16",
-                 "torch.cuda.BFloat16Tensor": "bf16", "torch.FloatTensor": "fp32", "torch.cuda.FloatTensor": "fp32",
-                 "torch.DoubleTensor": "fp64", "torch.cuda.DoubleTensor": "fp64"}
-_UPCASTS = frozenset({"float", "double"})
-_MODULE_LOOPS = frozenset({"parameters", "named_parameters", "modules", "named_modules", "children", "named_children"})
-# Library calls that cast a model's weights to fp16 in place (argument index), or return such a model
-_KNOWN_CASTERS = {"clip.model.convert_weights": 0, "clip.convert_weights": 0}  # OpenAI CLIP
-_KNOWN_HALF_BUILDERS = {"clip.load": "is loaded with fp16 weights by clip.load (on any device but the CPU)"}
-
-
-@dataclass(frozen=True)
-class Cast:
-    key: str
-    call: ast.Call  # the casting call (reported there)
-    stmt: ast.stmt
-    in_place: bool  # model.half() / model.to(...) on the module itself, as opposed to from_pretrained
-    dtypes: frozenset
-    dtype_text: str
-    what: str = "is cast to 16 bits"  # how the message says it became 16-bit
-
-
-def _cast(script: Script, node: ast.AST) -> tuple[ast.Call, frozenset, str] | None:
-    """(the call, its possible dtypes, the dtype as written) in a chain like
-    ``Net().to(dev).half()`` that may cast to fp16/bf16."""
-    while isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
-        method = node.func.attr
-        if method in ("half", "bfloat16") and not node.args:
-            return node, frozenset({"fp16" if method == "half" else "bf16"}), f".{method}()"
-        candidates = []
-        if method in ("from_pretrained", "from_config"):
-            candidates = [kw.value for kw in node.keywords if kw.arg in ("torch_dtype", "dtype")]
-        elif method in ("to", "type"):
-            candidates = [*node.args, *(kw.value for kw in node.keywords if kw.arg == "dtype")]
-        for candidate in candidates:
-            found = dtypes_of(script, candidate)
-            if found is not None and found & _SIXTEEN:
-                return node, found, ast.unparse(candidate)
-        node = node.func.value
-    return None
 
 
 def _conjuncts(test: ast.expr, holds: bool) -> set[tuple[str, bool]]:
@@ -131,20 +91,7 @@ def _clash(a: set, b: set) -> bool:
     return any((text, not holds) in b for text, holds in a)
 
 
-def _base_name(node: ast.AST) -> str | None:
-    """``l`` for ``l.weight.data``; None when the chain does not start at a plain name."""
-    while isinstance(node, (ast.Attribute, ast.Subscript)):
-        node = node.value
-    return node.id if isinstance(node, ast.Name) else None
-
-
-def _root(node: ast.AST) -> ast.AST:
-    while isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
-        node = node.func.value
-    return node
-
-
-class HalfModels:
+class HalfModels(IndirectCasts, DefaultDtypes):
     def __init__(self, script: Script):
         self.script = script
         self._binds: dict[str, list[ast.stmt]] | None = None  # key -> statements that bind it
@@ -167,129 +114,6 @@ class HalfModels:
                 call, kinds, text = found
                 out.append(Cast(k, call, node, in_place, kinds, text))
         return out + self._indirect_casts()
-
-    # --- casts that do not look like one: per parameter, through apply(), by a helper -----------
-
-    def _indirect_casts(self) -> list[Cast]:
-        """``for p in model.parameters(): p.data = p.data.half()`` (or over ``modules()``),
-        ``model.apply(fn)`` with an ``fn`` that casts its module, ``convert_weights(model)`` (a helper of the
-        file that does either, or OpenAI CLIP's), and ``model, _ = clip.load(...)``."""
-        script, out = self.script, []
-        for node in script.nodes:
-            if isinstance(node, ast.For):
-                found = self._loop_cast(node)
-                if found is not None:
-                    k, (call, kinds, text) = found
-                    out.append(Cast(k, call, node, True, kinds, text, "has its weights cast to 16 bits one by one"))
-            elif isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):
-                found = self._call_cast(node.value)
-                if found is not None:
-                    k, kinds, text, how = found
-                    out.append(Cast(k, node.value, node, True, kinds, text, f"is cast to 16 bits by {how}"))
-            elif isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.value, ast.Call):
-                text = _KNOWN_HALF_BUILDERS.get(script.qualname(node.value.func) or "")
-                device = argument(node.value, 1, "device")
-                if isinstance(device, ast.Constant) and device.value == "cpu":
-                    continue  # clip.load(..., device="cpu") returns fp32 weights
-                target = node.targets[0]
-                first = target.elts[0] if isinstance(target, ast.Tuple) and target.elts else target
-                k = key_of(first)
-                if text is not None and k is not None:
-                    out.append(Cast(k, node.value, node, False, frozenset({"fp16"}), "clip.load", text))
-        return out
-
-    def _data_cast(self, node: ast.AST) -> tuple[str, tuple[ast.Call, frozenset, str]] | None:
-        """(root name, the cast) for ``x.weight.data = <16-bit cast>`` or ``m.half()`` / ``m.to(torch.bfloat16)``."""
-        if isinstance(node, ast.Assign) and len(node.targets) == 1:
-            target = node.targets[0]
-            if isinstance(target, ast.Attribute) and target.attr == "data":
-                found = _cast(self.script, node.value)
-                root = _base_name(target)
-                if found is not None and root is not None:
-                    return root, found
-        elif isinstance(node, ast.Expr):
-            found = _cast(self.script, node.value)
-            if found is not None:
-                root = _base_name(_root(found[0]))
-                if root is not None:
-                    return root, found
-        return None
-
-    def _loop_cast(self, loop: ast.For) -> tuple[str, tuple[ast.Call, frozenset, str]] | None:
-        """(model key, the cast) for a loop over a model's parameters or modules that casts each."""
-        it = loop.iter
-        if not (isinstance(it, ast.Call) and isinstance(it.func, ast.Attribute) and it.func.attr in _MODULE_LOOPS):
-            return None
-        k = key_of(it.func.value)
-        target = loop.target.elts[-1] if isinstance(loop.target, ast.Tuple) and loop.target.elts else loop.target
-        if k is None or not isinstance(target, ast.Name):
-            return None
-        for node in ast.walk(loop):
-            found = self._data_cast(node)
-            if found is not None and found[0] == target.id:
-                return k, found[1]
-        return None
-
-    def _call_cast(self, call: ast.Call) -> tuple[str, frozenset, str] | None:
-        """(model key, dtypes, dtype text, what casts it) for ``model.apply(fn)`` with a casting ``fn``, or a
-        helper call that casts its argument in place."""
-        script = self.script
-        func = call.func
-        if isinstance(func, ast.Attribute) and func.attr == "apply" and len(call.args) == 1:
-            k, fn = key_of(func.value), call.args[0]
-            if k is None:
-                return None
-            if isinstance(fn, ast.Lambda) and fn.args.args:
-                found = _cast(script, fn.body)
-                if found is not None and _base_name(_root(found[0])) == fn.args.args[0].arg:
-                    return k, found[1], found[2], f"{k}.apply"
-                return None
-            if isinstance(fn, ast.Name):
-                defs = script.functions.get(fn.id, [])
-                if len(defs) == 1 and defs[0].args.args:
-                    cast = self.casting_params(defs[0]).get(defs[0].args.args[0].arg)
-                    if cast is not None:
-                        return k, cast[0], cast[1], f"{k}.apply({fn.id})"
-            return None
-        index = _KNOWN_CASTERS.get(script.qualname(func) or "")
-        if index is not None:
-            k = key_of(argument(call, index, "model"))
-            return None if k is None else (k, frozenset({"fp16"}), "fp16", ast.unparse(func))
-        found = definition_of(script, call)
-        if found is None or found[1] is not script:
-            return None
-        casts = self.casting_params(found[0])
-        names = [p.arg for p in (*found[0].args.posonlyargs, *found[0].args.args)]
-        for index, name in enumerate(names):
-            if name in casts:
-                k = key_of(argument(call, index, name))
-                if k is not None:
-                    return k, casts[name][0], casts[name][1], ast.unparse(func)
-        return None
-
-    def casting_params(self, func) -> dict[str, tuple[frozenset, str]]:
-        """The parameters of ``func`` (a def of this file) whose weights it casts to 16 bits in place, with
-        the cast's dtypes and text: directly, per parameter or module in a loop, or through ``apply``."""
-        memo = self.__dict__.setdefault("_casting", {})
-        if id(func) in memo:
-            return memo[id(func)]
-        memo[id(func)] = {}  # a recursive helper casts nothing more by calling itself
-        names = {p.arg for p in (*func.args.posonlyargs, *func.args.args)}
-        out: dict[str, tuple[frozenset, str]] = {}
-        for node in ast.walk(func):
-            if isinstance(node, ast.For):
-                found = self._loop_cast(node)
-                if found is not None and found[0].split(".")[0] in names:
-                    out.setdefault(found[0].split(".")[0], found[1][1:])
-            elif isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):
-                via = self._call_cast(node.value)
-                if via is not None and via[0].split(".")[0] in names:
-                    out.setdefault(via[0].split(".")[0], via[1:3])
-            found = self._data_cast(node)
-            if found is not None and found[0] in names:
-                out.setdefault(found[0], found[1][1:])
-        memo[id(func)] = out
-        return out
 
     # --- what the optimizers train -------------------------------------------------------
 
@@ -472,89 +296,6 @@ class HalfModels:
                 return False  # back to fp32
             node = node.func.value
         return key_of(node) == k
-
-    # --- the default dtype ------------------------------------------------------------------
-
-    def default_dtypes(self) -> list[tuple[ast.Call, frozenset | None, str]]:
-        """Each ``torch.set_default_dtype(d)`` / ``set_default_tensor_type(t)`` call: (call, the dtypes it
-        may set, or None when unknown, the argument as written)."""
-        out = []
-        for call in self.script.calls:
-            q = self.script.qualname(call.func)
-            if q == "torch.set_default_dtype":
-                arg = argument(call, 0, "d")
-                if arg is not None:
-                    out.append((call, dtypes_of(self.script, arg), ast.unparse(arg)))
-            elif q == "torch.set_default_tensor_type":
-                arg = argument(call, 0, "t")
-                if arg is None:
-                    continue
-                name = arg.value if isinstance(arg, ast.Constant) and isinstance(arg.value, str) else self.script.qualname(arg)
-                kind = _TENSOR_TYPES.get(name or "")
-                out.append((call, None if kind is None else frozenset({kind}), ast.unparse(arg)))
-        return out
-
-    def _upcasts(self, node: ast.AST | None) -> bool:
-        """A call chain with ``.float()``, ``.double()`` or ``.to(torch.float32)`` in it."""
-        while isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
-            method = node.func.attr
-            if method in _UPCASTS and not node.args:
-                return True
-            if method in ("to", "type") and any((dtypes_of(self.script, a) or frozenset()) - _SIXTEEN
-                                                for a in (*node.args, *(kw.value for kw in node.keywords))):
-                return True
-            node = node.func.value
-        return False
-
-    def _upcast_between(self, k: str, after: ast.AST, before: ast.AST) -> bool:
-        """``k.float()`` / ``k.to(torch.float32)`` called on ``k`` between the two, in their scope."""
-        return any(after.lineno < c.lineno < before.lineno and isinstance(c.func, ast.Attribute)
-                   and key_of(_root(c)) == k and self.script.same_scope(c, after, k) and self._upcasts(c)
-                   for c in self.script.calls)
-
-    def default_dtype_hits(self, trained: dict[str, list[tuple[ast.Call, set]]]) -> list[Hit]:
-        script = self.script
-        sets = self.default_dtypes()
-        sixteen = [(c, d, t) for c, d, t in sets if d is not None and d & _SIXTEEN]
-        if not sixteen:
-            return []
-        resets = [c for c, d, _ in sets if d is not None and not d & _SIXTEEN]
-        bindings = self._bindings()
-        hits = []
-        for call, kinds, text in sixteen:
-            at = script.owner(call)
-            found = None
-            for k, opts in trained.items():
-                root = k if k.startswith("self.") else k.split(".")[0]
-                binds = sorted({id(b): b for b in bindings.get(k, []) + bindings.get(root, [])}.values(),
-                               key=lambda b: b.lineno)
-                for opt, _ in opts:
-                    build = None  # the statement that made the trained module: the last binding before the
-                    for b in reversed([b for b in binds if b.lineno < opt.lineno and script.same_scope(b, opt, k)]):
-                        value = getattr(b, "value", None)  # optimizer that does not keep the old parameters
-                        if self._upcasts(value):
-                            break  # model = model.float(): fp32 again
-                        if not self._keeps(k, value):
-                            build = b
-                            break
-                    if build is None or build.lineno <= call.lineno or (at is not None and script.owner(build) is not at):
-                        continue
-                    if any(call.lineno < r.lineno < build.lineno for r in resets):
-                        continue  # the default was fp32 again when the model was built
-                    if self._upcast_between(k, build, opt) or self._exempt(k, opt):
-                        continue
-                    found = (k, build, opt)
-                    break
-                if found:
-                    break
-            if found:
-                k, build, opt = found
-                when = "" if kinds <= _SIXTEEN else f" when {text} is 16-bit"
-                hits.append(Hit("MP106", call, (
-                    f"torch.{call.func.attr}({text}) makes new tensors 16-bit{when}: {k} is built under it "
-                    f"(line {build.lineno}) and its parameters are given to the optimizer (line {opt.lineno}): "
-                    "no fp32 master weights")))
-        return hits
 
     def hits(self) -> list[Hit]:
         script = self.script
