@@ -72,32 +72,17 @@ _TOKENS = itertools.count(1)
 _quiet = torch._C.DisableTorchFunction
 
 _ACCUMULATE, _LAYOUT, _HOOKED = 0, 1, 2
-_NODE_KINDS: dict[type, int] = {}
-
-
-def _node_kind(cls: type) -> int:
-    """What ``adopt`` does with an autograd node of this class (cached: a few dozen classes)."""
-    kind = _NODE_KINDS.get(cls)
-    if kind is None:
-        name = cls.__name__
-        if name == "AccumulateGrad":
-            kind = _ACCUMULATE
-        elif name.rstrip("0123456789") in _LAYOUT_NODES:
-            kind = _LAYOUT
-        else:
-            kind = _HOOKED
-        kind = _NODE_KINDS[cls] = kind
-    return kind
-
-
 _NODE_CLASSES: dict[type, tuple[int, str, bool]] = {}  # node class -> (kind, name(), a routing class?);
 # name() is per class: a custom Function's node class is its own
 
 
 def _node_class(node: Any) -> tuple[int, str, bool]:
-    """``adopt``'s one lookup per node: its class's kind, name and whether it is a routing class."""
+    """What ``adopt`` does with an autograd node of this class, its name and whether it is a routing class
+    (computed once per class: a few dozen)."""
     cls = type(node)
-    c = _NODE_CLASSES[cls] = (_node_kind(cls), node.name(), cls.__name__ in _ROUTE_NODES)
+    name = cls.__name__
+    kind = _ACCUMULATE if name == "AccumulateGrad" else _LAYOUT if name.rstrip("0123456789") in _LAYOUT_NODES else _HOOKED
+    c = _NODE_CLASSES[cls] = (kind, node.name(), name in _ROUTE_NODES)
     return c
 
 

@@ -402,9 +402,12 @@ class DynamicLossScale:
         return _new(type(self), **fields)  # validated when built; jit must not re-check traced values
 
 
+def _noop_aux() -> _LeaflessAux:
+    return _NOOP_AUX  # what a pickled NoOpLossScale treedef's aux unpickles to
+
+
 _NOOP = NoOpLossScale()
-_NOOP_AUX = _LeaflessAux(_NOOP, repr(_NOOP), (getattr, (NoOpLossScale, "_aux")))
-NoOpLossScale._aux = _NOOP_AUX  # what the aux unpickles to (a class attribute: no field, no instance state)
+_NOOP_AUX = _LeaflessAux(_NOOP, repr(_NOOP), (_noop_aux, ()))
 tree_util.register_pytree_node(NoOpLossScale, lambda s: ((), _NOOP_AUX), lambda aux, _: _NOOP)
 tree_util.register_pytree_node(StaticLossScale, _static_flatten, _static_unflatten)
 

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import ast
 
-from mixprec.lint.dtypes import dtypes as dtypes_of
 from mixprec.lint.dtypes import values
 from mixprec.lint.hidden_casts import _SIXTEEN, Cast, DefaultDtypes, IndirectCasts, _cast, _root
 from mixprec.lint.names import Script, argument, key_of, normalized_test
@@ -286,14 +285,12 @@ class HalfModels(IndirectCasts, DefaultDtypes):
             return False
         if isinstance(value, ast.Call) and self.script.qualname(value.func) in _WRAPPERS:
             return bool(value.args) and (key_of(value.args[0]) == k or self._keeps(k, value.args[0]))
+        if self._upcasts(value):
+            return False  # back to fp32
         node = value
         while isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
             if node.func.attr not in _KEEPS:
                 return False
-            if node.func.attr in ("to", "type") and any(
-                (dtypes_of(self.script, a) or frozenset()) - _SIXTEEN for a in (*node.args, *(kw.value for kw in node.keywords))
-            ):
-                return False  # back to fp32
             node = node.func.value
         return key_of(node) == k
 

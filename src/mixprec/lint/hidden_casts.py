@@ -95,13 +95,14 @@ class IndirectCasts:
                     out.append(Cast(k, node.value, node, True, kinds, text, f"is cast to 16 bits by {how}"))
             elif isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.value, ast.Call):
                 text = _KNOWN_HALF_BUILDERS.get(script.qualname(node.value.func) or "")
+                if text is None:
+                    continue
                 device = argument(node.value, 1, "device")
                 if isinstance(device, ast.Constant) and device.value == "cpu":
                     continue  # clip.load(..., device="cpu") returns fp32 weights
                 target = node.targets[0]
-                first = target.elts[0] if isinstance(target, ast.Tuple) and target.elts else target
-                k = key_of(first)
-                if text is not None and k is not None:
+                k = key_of(target.elts[0] if isinstance(target, ast.Tuple) and target.elts else target)
+                if k is not None:
                     out.append(Cast(k, node.value, node, False, frozenset({"fp16"}), "clip.load", text))
         return out
 
@@ -241,46 +242,45 @@ class DefaultDtypes:
                    and key_of(_root(c)) == k and self.script.same_scope(c, after, k) and self._upcasts(c)
                    for c in self.script.calls)
 
+    def _built_under(self, call: ast.Call, resets: list[ast.Call], k: str, opt: ast.Call) -> ast.stmt | None:
+        """The statement that built the module ``opt`` trains (its last binding before ``opt`` that does not keep
+        older parameters), when it ran under the 16-bit default ``call`` set: after it, in its function (or
+        ``call`` at module level), with no reset between and no cast back to fp32 before ``opt``."""
+        script, bindings = self.script, self._bindings()
+        root = k if k.startswith("self.") else k.split(".")[0]
+        binds = sorted({id(b): b for b in bindings.get(k, []) + bindings.get(root, [])}.values(), key=lambda b: b.lineno)
+        build = None
+        for b in reversed([b for b in binds if b.lineno < opt.lineno and script.same_scope(b, opt, k)]):
+            value = getattr(b, "value", None)
+            if self._upcasts(value):
+                return None  # model = model.float(): fp32 again
+            if not self._keeps(k, value):
+                build = b
+                break
+        at = script.owner(call)
+        if build is None or build.lineno <= call.lineno or (at is not None and script.owner(build) is not at):
+            return None
+        if any(call.lineno < r.lineno < build.lineno for r in resets):
+            return None  # the default was fp32 again when the module was built
+        if self._upcast_between(k, build, opt) or self._exempt(k, opt):
+            return None
+        return build
+
     def default_dtype_hits(self, trained: dict[str, list[tuple[ast.Call, set]]]) -> list[Hit]:
-        script = self.script
         sets = self.default_dtypes()
-        sixteen = [(c, d, t) for c, d, t in sets if d is not None and d & _SIXTEEN]
-        if not sixteen:
-            return []
         resets = [c for c, d, _ in sets if d is not None and not d & _SIXTEEN]
-        bindings = self._bindings()
         hits = []
-        for call, kinds, text in sixteen:
-            at = script.owner(call)
-            found = None
-            for k, opts in trained.items():
-                root = k if k.startswith("self.") else k.split(".")[0]
-                binds = sorted({id(b): b for b in bindings.get(k, []) + bindings.get(root, [])}.values(),
-                               key=lambda b: b.lineno)
-                for opt, _ in opts:
-                    build = None  # the statement that made the trained module: the last binding before the
-                    for b in reversed([b for b in binds if b.lineno < opt.lineno and script.same_scope(b, opt, k)]):
-                        value = getattr(b, "value", None)  # optimizer that does not keep the old parameters
-                        if self._upcasts(value):
-                            break  # model = model.float(): fp32 again
-                        if not self._keeps(k, value):
-                            build = b
-                            break
-                    if build is None or build.lineno <= call.lineno or (at is not None and script.owner(build) is not at):
-                        continue
-                    if any(call.lineno < r.lineno < build.lineno for r in resets):
-                        continue  # the default was fp32 again when the model was built
-                    if self._upcast_between(k, build, opt) or self._exempt(k, opt):
-                        continue
-                    found = (k, build, opt)
-                    break
-                if found:
-                    break
-            if found:
-                k, build, opt = found
-                when = "" if kinds <= _SIXTEEN else f" when {text} is 16-bit"
-                hits.append(Hit("MP106", call, (
-                    f"torch.{call.func.attr}({text}) makes new tensors 16-bit{when}: {k} is built under it "
-                    f"(line {build.lineno}) and its parameters are given to the optimizer (line {opt.lineno}): "
-                    "no fp32 master weights")))
+        for call, kinds, text in sets:
+            if kinds is None or not kinds & _SIXTEEN:
+                continue
+            found = next(((k, b, opt) for k, opts in trained.items() for opt, _ in opts
+                          if (b := self._built_under(call, resets, k, opt)) is not None), None)
+            if found is None:
+                continue
+            k, build, opt = found
+            when = "" if kinds <= _SIXTEEN else f" when {text} is 16-bit"
+            hits.append(Hit("MP106", call, (
+                f"torch.{call.func.attr}({text}) makes new tensors 16-bit{when}: {k} is built under it "
+                f"(line {build.lineno}) and its parameters are given to the optimizer (line {opt.lineno}): "
+                "no fp32 master weights")))
         return hits
