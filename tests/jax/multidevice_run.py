@@ -126,4 +126,18 @@ out["audit_jit"] = {"kinds": [f.kind for f in report.findings], "where": [f.wher
 report = mpj.audit(dp_grads(True), w0, xb, yb)
 out["audit_fp32_reduce"] = {"kinds": [f.kind for f in report.findings], "collectives": report.collectives}
 
+# a checkpoint of a sharded leaf loads back across the devices `like` spans (it came back on device 0)
+import tempfile  # noqa: E402
+
+with tempfile.TemporaryDirectory() as tmp:
+    row = NamedSharding(mesh, P("d"))
+    w = jax.device_put(jnp.arange(8.0).reshape(4, 2), row)
+    try:  # a failure here is reported by its own test, not by every test of this run
+        mpj.save_tree(os.path.join(tmp, "s.npz"), {"w": w, "k": jax.random.key(1)})
+        back = mpj.load_tree(os.path.join(tmp, "s.npz"), {"w": jax.device_put(jnp.zeros((4, 2)), row), "k": jax.random.key(0)})
+        out["checkpoint_sharded"] = {"same_sharding": back["w"].sharding == row, "equal": bool(np.array_equal(back["w"], w)),
+                                     "devices": len(back["w"].sharding.device_set)}
+    except Exception as e:  # noqa: BLE001
+        out["checkpoint_sharded"] = {"error": f"{type(e).__name__}: {e}"}
+
 json.dump(out, sys.stdout)

@@ -318,3 +318,57 @@ def test_configurations_nobody_holds_are_not_kept():
     gc.collect()
     assert len(L._STATIC_AUX) <= before[0] + 1 and len(L._CONFIGS) <= before[1] + 1
     assert jax.tree_util.tree_structure(mpj.StaticLossScale(2.0**10)).node_data()[1] is held_aux  # still interned
+
+
+# ---------------------------------------------------------------------------- found by a probe of the JAX side
+
+
+@pytest.mark.parametrize("make", [lambda: mpj.StaticLossScale(2 ** 15), lambda: mpj.StaticLossScale(2.0 ** 15),
+                                  lambda: mpj.DynamicLossScale(2.0 ** 15), lambda: mpj.DynamicLossScale(jnp.asarray(2.0 ** 15))],
+                         ids=["static-int", "static-float", "dynamic-float", "dynamic-weak-array"])
+def test_a_python_number_scale_unscales_fp16_gradients_in_fp32(make):
+    # jmp's own spelling, StaticLossScale(2 ** 15): the reciprocal was weakly typed, took the gradients' fp16, and a
+    # true gradient of 2**-26 (2**-11 once scaled, fine in fp16) came out 0
+    ls = make()
+    g = {"w": jnp.asarray([2.0 ** -11], jnp.float16)}
+    out = ls.unscale(g)["w"]
+    assert out.dtype == jnp.float32 and float(out[0]) == 2.0 ** -26
+    out = jax.jit(lambda s, g: s.unscale(g))(ls, g)["w"]  # a weak leaf under jit: the same
+    assert out.dtype == jnp.float32 and float(out[0]) == 2.0 ** -26
+    loss = jnp.float16(3.0)  # 3 * 2**15 overflows fp16: the scaled loss is float32
+    assert ls.scale(loss).dtype == jnp.float32 and float(ls.scale(loss)) == 3.0 * 2 ** 15
+
+
+def test_a_fixed_type_scale_keeps_jax_promotion():
+    g = jnp.asarray([2.0], jnp.float16)
+    assert mpj.StaticLossScale(jnp.float16(2.0)).unscale(g).dtype == jnp.float16  # an fp16 scale was asked for
+    assert mpj.DynamicLossScale(jnp.float32(2.0)).unscale(g).dtype == jnp.float32
+
+
+def test_a_floor_the_scale_dtype_cannot_hold_is_refused():
+    # an fp16 scale with a floor of 2**-30: the floor cast to fp16 is 0, the scale fell to 0 after 30 overflows
+    # and every later step was skipped (unscaling by 1/0), with no error
+    with pytest.raises(ValueError, match=r"min_loss_scale .* is 0\.0 in the scale's dtype float16"):
+        mpj.DynamicLossScale(jnp.float16(16.0), min_loss_scale=np.float32(2.0 ** -30))
+    ls = mpj.DynamicLossScale(jnp.float16(16.0), min_loss_scale=np.float32(2.0 ** -24))  # fp16's smallest: kept
+    for _ in range(40):
+        ls = ls.adjust(F)
+    assert float(ls.loss_scale) == 2.0 ** -24
+
+
+def test_a_scale_below_its_floor_is_refused():
+    # an overflow moved such a scale up, to the floor
+    with pytest.raises(ValueError, match=r"loss_scale \(1\.0\) is below min_loss_scale \(4\.0\)"):
+        mpj.DynamicLossScale(jnp.float32(1.0), min_loss_scale=jnp.float32(4.0))
+    with pytest.raises(ValueError, match="below min_loss_scale"):
+        mpj.DynamicLossScale(jnp.asarray([8.0, 0.5], jnp.float32))  # the default floor is 1
+
+
+def test_period_must_be_a_whole_number_of_steps():
+    ls = mpj.DynamicLossScale(jnp.float32(4.0), period=4.0)  # an integral float is taken as the int it is
+    assert type(ls.period) is int
+    out, _ = jax.lax.scan(lambda s, _: (s.adjust(T), None), ls, None, length=5)  # the int32 counter stays int32
+    assert out.counter.dtype == jnp.int32 and int(out.counter) == 1 and float(out.loss_scale) == 8.0
+    for bad in (2.5, 0, -3, True, "10"):
+        with pytest.raises(ValueError, match="whole, positive number of steps"):
+            mpj.DynamicLossScale(jnp.float32(4.0), period=bad)

@@ -75,3 +75,8 @@ def test_audit_reads_the_compiled_all_reduce(observed):
     assert "multidevice_run.py" in o["where"][0]
     clean = observed["audit_fp32_reduce"]
     assert clean["kinds"] == [] and [c[:2] for c in clean["collectives"]] == [["f32", "all-reduce"]]
+
+
+def test_a_sharded_checkpoint_leaf_comes_back_sharded_as_like(observed):
+    # found by a probe: load_tree put every restored leaf on device 0, whatever like's sharding
+    assert observed["checkpoint_sharded"] == {"same_sharding": True, "equal": True, "devices": 2}

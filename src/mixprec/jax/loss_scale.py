@@ -106,6 +106,51 @@ def _new(cls: type, **fields: Any) -> Any:
 _HYSTERESIS_LEFT: dict[int, np.ndarray] = {}
 
 
+def _weak(value: Any) -> bool:
+    """A Python number, or an array that jax types weakly (made from one): it takes the other operand's dtype."""
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)) or bool(getattr(value, "weak_type", False))
+
+
+def _strong(value: Any) -> Any:
+    """The scale as a float32 value of fixed type when it is weakly typed, else itself. ``StaticLossScale(2 ** 15)``
+    (jmp's own spelling) would otherwise take the dtype of what it multiplies: an fp16 loss scaled in fp16
+    overflows above 2 at 2**15."""
+    if not _weak(value):
+        return value
+    if isinstance(value, (int, float)):
+        return np.float32(value)
+    return value.astype(jnp.float32)
+
+
+def _reciprocal(value: Any) -> Any:
+    """``1 / scale``, float32 (of fixed type) when the scale is weakly typed: a weak reciprocal takes the gradients'
+    dtype, and fp16 gradients unscaled in fp16 lose the small values the scale was protecting."""
+    if not _weak(value):
+        return 1 / value
+    if isinstance(value, (int, float)):
+        return np.float32(1.0 / value)
+    return (1 / value).astype(jnp.float32)
+
+
+def _check_floor(scale: Any, floor: np.ndarray) -> None:
+    """A scale below its floor (an overflow would raise it to the floor), or a floor that is 0 in the scale's
+    dtype (the scale would reach 0 and every later step be skipped: unscaling by 1/0)."""
+    a = np.asarray(scale)
+    dtype = a.dtype if np.issubdtype(a.dtype, np.floating) else np.dtype(np.float32)
+    if a.dtype != object and np.issubdtype(a.dtype, np.number) and (a.astype(np.float64) < floor).any():
+        raise ValueError(
+            f"DynamicLossScale: loss_scale ({a.tolist()}) is below min_loss_scale ({floor.tolist()}): an overflow would "
+            "raise it to the floor; pass a lower min_loss_scale (e.g. min_loss_scale=jnp.float32(2.0**-14))"
+        )
+    in_dtype = floor.astype(dtype)
+    if not (np.isfinite(in_dtype) & (in_dtype > 0)).all():
+        raise ValueError(
+            f"DynamicLossScale: min_loss_scale ({floor.tolist()}) is {in_dtype.tolist()} in the scale's dtype {dtype.name}: "
+            "the scale could fall to it and every later step be skipped; use a floor the dtype holds (float16: "
+            ">= 2**-24) or a float32 loss_scale"
+        )
+
+
 def _full_hysteresis(h: int) -> np.ndarray:
     """``np.full([], h, np.int32)``, one shared (never mutated) array per value: unflattening, which jit
     does at every call, should not allocate."""
@@ -206,10 +251,11 @@ class StaticLossScale:
             )
 
     def scale(self, tree: T) -> T:
-        return jax.tree_util.tree_map(lambda x: x * self.loss_scale, tree)
+        factor = _strong(self.loss_scale)
+        return jax.tree_util.tree_map(lambda x: x * factor, tree)
 
     def unscale(self, tree: T) -> T:
-        inv_loss_scale = 1 / self.loss_scale
+        inv_loss_scale = _reciprocal(self.loss_scale)
         return jax.tree_util.tree_map(lambda x: x * inv_loss_scale, tree)
 
     def adjust(self, grads_finite: Any) -> StaticLossScale:
@@ -326,20 +372,27 @@ class DynamicLossScale:
         object.__setattr__(self, "consecutive_hysteresis", bool(self.consecutive_hysteresis))
         if self.hysteresis_left is None:
             object.__setattr__(self, "hysteresis_left", np.full([], self.hysteresis, np.int32))
-        if not (isinstance(self.period, (int, float, np.number)) and self.period > 0):
-            raise ValueError(f"DynamicLossScale: period must be a positive number of steps, got {self.period!r}")
+        period = self.period
+        if isinstance(period, (float, np.floating)) and float(period).is_integer():
+            period = int(period)  # 2000.0: a float period would turn the int32 counter into a float (lax.scan refuses the carry)
+        if isinstance(period, (bool, np.bool_)) or not isinstance(period, (int, np.integer)) or period < 1:
+            raise ValueError(f"DynamicLossScale: period must be a whole, positive number of steps, got {self.period!r}")
+        object.__setattr__(self, "period", int(period))
         if not (isinstance(self.factor, (int, float, np.number)) and self.factor > 1):
             raise ValueError(
                 f"DynamicLossScale: factor must be > 1, got {self.factor!r} (a factor of 1 never changes the scale: "
                 "use StaticLossScale)"
             )
         lo = np.asarray(self.min_loss_scale, np.float64)
+        concrete = type(self.loss_scale) is not object and not _is_tracer(self.loss_scale)
+        if concrete:
+            _check_floor(self.loss_scale, lo)
         if self.max_loss_scale is not None:
             hi = np.asarray(self.max_loss_scale, np.float64)
             if not (hi >= lo).all():
                 raise ValueError(f"DynamicLossScale: max_loss_scale ({hi.tolist()}) is below min_loss_scale ({lo.tolist()})")
             # a batch of scales (one per vmapped replica, say) is checked element by element
-            if type(self.loss_scale) is not object and not _is_tracer(self.loss_scale):
+            if concrete:
                 scale = np.asarray(self.loss_scale, np.float64)
                 if (scale > hi).any():
                     raise ValueError(
@@ -347,10 +400,11 @@ class DynamicLossScale:
                     )
 
     def scale(self, tree: T) -> T:
-        return jax.tree_util.tree_map(lambda x: x * self.loss_scale, tree)
+        factor = _strong(self.loss_scale)
+        return jax.tree_util.tree_map(lambda x: x * factor, tree)
 
     def unscale(self, tree: T) -> T:
-        inv_loss_scale = 1 / self.loss_scale
+        inv_loss_scale = _reciprocal(self.loss_scale)
         return jax.tree_util.tree_map(lambda x: x * inv_loss_scale, tree)
 
     def _meta(self) -> _Config:
