@@ -148,3 +148,25 @@ def test_fp8_delayed_history_advances_once_per_window():
         meta, state = step(meta, state, amax)
     np.testing.assert_array_equal(meta.amax_history, [[0, 0, 0], [5, 5, 5]])
     np.testing.assert_array_equal(meta.scale, np.float32([448, 448, 57344]) / np.float32(5))
+
+
+@pytest.mark.parametrize("build", [
+    lambda: mpj.skip_nonfinite(mpj.skip_nonfinite(optax.sgd(0.1), "fp16-mixed"), "fp16-mixed"),
+    lambda: mpj.skip_nonfinite(optax.chain(mpj.skip_nonfinite(optax.sgd(0.1), "fp16-mixed"), optax.scale(1.0)), "fp16-mixed"),
+])
+def test_skip_nonfinite_inside_skip_nonfinite_is_refused(build):
+    # found by a probe: accepted, and the gradient was unscaled twice (a true gradient of 1 gave an update of
+    # -1.5e-6 instead of -0.1), while loss_scale_of handed out the outer scale only
+    with pytest.raises(ValueError, match="nested inside another skip_nonfinite.*unscaled twice"):
+        build().init({"w": W})
+
+
+def test_two_skip_nonfinite_partitions_are_named_when_reading_the_scale():
+    tx = optax.multi_transform({"a": mpj.skip_nonfinite(optax.adam(1e-3), "fp16-mixed"),
+                                "b": mpj.skip_nonfinite(optax.sgd(1e-3), "fp16-mixed")}, {"w": "a", "v": "b"})
+    state = tx.init({"w": W, "v": W})
+    with pytest.raises(ValueError, match=r"holds 2 skip_nonfinite states \(at .*inner_states.*\).*wrap the whole optimizer "
+                                         r"once.*multi_transform"):
+        mpj.loss_scale_of(state)
+    with pytest.raises(ValueError, match="holds no skip_nonfinite state"):
+        mpj.loss_scale_of(optax.adam(1e-3).init({"w": W}))

@@ -163,3 +163,24 @@ def test_two_names_of_one_recipe_are_said_to_run_once_as_on_the_torch_side():
     with pytest.warns(UserWarning, match=r"'fp8' and 'fp8-current' name the same recipe \(fp8-current\): it runs once"):
         names = [r.name for r in _resolve_all(["fp8", "fp8-current", "bf16-mixed"])]
     assert names == ["fp8-current", "bf16-mixed"]
+
+
+def test_a_task_whose_optimizer_is_already_skip_nonfinite_is_refused():
+    """Found by a probe: compare wrapped it again; the gradient was unscaled twice, or (with a clip) the
+    error blamed an optax.chain the user never wrote."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    import mixprec.jax as mpj
+    from mixprec.jax import JaxTask
+    from mixprec.tasks import TaskError
+
+    def make():
+        return JaxTask(name="wrapped", init_params=lambda key: {"w": jax.random.normal(key, (8, 4))},
+                       get_batch=lambda step: (np.ones((4, 8), np.float32), np.ones((4, 4), np.float32)),
+                       apply=lambda p, x, r: x @ p["w"], loss_fn=lambda o, y: jnp.mean((o - y) ** 2),
+                       make_optimizer=lambda: mpj.skip_nonfinite(optax.adam(0.1), "fp16-mixed"), steps=5)
+
+    with pytest.raises(TaskError, match="make_optimizer returns a skip_nonfinite.*return the bare optimizer"):
+        compare(make, ("bf16-mixed",))

@@ -35,7 +35,7 @@ import optax
 from mixprec.comparison.api import DEFAULT_RECIPES, MIN_NOISE_SEEDS, REFERENCE, REFERENCE_SEED, ComparisonResult, _fp32_failed
 from mixprec.comparison.runner import ProgressFn, RunError, RunResult, Role
 from mixprec.comparison.verdict import Band, Verdict, VerdictRule, fp32_band, judge
-from mixprec.jax.optim import loss_scale_of, skip_nonfinite
+from mixprec.jax.optim import is_skip_nonfinite, loss_scale_of, skip_nonfinite
 from mixprec.jax.policy import policy_label
 from mixprec.jax.recipes import JaxRecipe, get_recipe
 from mixprec.jax.tasks import JaxTask, _batch, check_jax_seeds, check_jax_task, load_jax_task
@@ -130,6 +130,12 @@ def make_step(task: JaxTask, recipe: JaxRecipe) -> Prepared:
     """The optimizer (``skip_nonfinite`` around the task's, clip first) and the jitted training step."""
     policy = recipe.policy
     inner = task.make_optimizer()
+    if is_skip_nonfinite(inner):
+        raise TaskError(
+            f"task {task.name!r}: make_optimizer returns a skip_nonfinite transformation, but compare wraps the task's "
+            "optimizer in one for each recipe (with that recipe's loss scale): return the bare optimizer "
+            "(e.g. optax.adamw(1e-3))"
+        )
     if task.max_grad_norm is not None:
         inner = optax.chain(optax.clip_by_global_norm(task.max_grad_norm), inner)
     tx = skip_nonfinite(inner, recipe)

@@ -6,6 +6,9 @@ runs: it must be the outermost one.
   of a gradient scaled by 2^16 is a step 2^16 times too small: the model does not train), a weight
   decay adds ``wd * p`` to it, an Adam state is poisoned by the first inf. Write
   ``skip_nonfinite(optax.chain(t, opt), recipe)``.
+- ``skip_nonfinite(skip_nonfinite(opt))`` (a helper that wraps, wrapped again), or one inside a chain
+  inside another: the gradient is unscaled twice, every step is a loss scale (2^16) too small, and
+  ``loss_scale_of`` hands out the outer scale only.
 - ``optax.MultiSteps(skip_nonfinite(opt))``: MultiSteps resets its accumulator with ``(1 - emit) * acc``,
   which keeps a NaN: after one overflowing micro-batch every window is skipped, for good. Use
   ``skip_nonfinite(opt, recipe, every_k=k)``.
@@ -28,6 +31,13 @@ CHAIN_MESSAGE = (
     "transformation(s), which would read the SCALED gradient and update their state before the finiteness check "
     "(a clip_by_global_norm would clip the scaled gradient: the model would barely train). Put them inside it: "
     "skip_nonfinite(optax.chain(<the others>, <optimizer>), recipe)"
+)
+
+
+NESTED_MESSAGE = (
+    "skip_nonfinite is nested inside another skip_nonfinite: the gradient would be unscaled twice (every step a "
+    "loss scale too small) while loss_scale_of gives only the outer scale. Wrap the optimizer once: "
+    "skip_nonfinite(<optimizer>, recipe)"
 )
 
 
@@ -59,7 +69,8 @@ def _is_frame_function(fn: Any, code: Any, closed: Any) -> bool:
 
 def check_nesting(init_fn: Any) -> None:
     """Raise when the ``skip_nonfinite`` whose ``init`` is ``init_fn`` (running now) is nested inside
-    ``optax.MultiSteps`` or after another transformation of an ``optax.chain`` (see the module docstring)."""
+    ``optax.MultiSteps``, inside another ``skip_nonfinite``, or after another transformation of an
+    ``optax.chain`` (see the module docstring)."""
     import optax
 
     multi = getattr(optax, "MultiSteps", None)
@@ -68,6 +79,8 @@ def check_nesting(init_fn: Any) -> None:
     depth = 0
     while frame is not None and depth < 64:
         code = frame.f_code
+        if code is init_fn.__code__:  # another skip_nonfinite's init is running ours
+            raise ValueError(NESTED_MESSAGE)
         if multi is not None and code.co_name == "init" and isinstance(frame.f_locals.get("self"), multi):
             raise ValueError(MULTISTEPS_MESSAGE)
         if code.co_name == "init_fn" and "optax" in code.co_filename:

@@ -202,7 +202,13 @@ def skip_nonfinite(
             accumulation=acc,
         )
 
+    init._mixprec_skip_nonfinite = True  # type: ignore[attr-defined]  # is_skip_nonfinite
     return optax.GradientTransformationExtraArgs(init, update)
+
+
+def is_skip_nonfinite(tx: Any) -> bool:
+    """Whether ``tx`` is a transformation ``skip_nonfinite`` returned."""
+    return bool(getattr(getattr(tx, "init", None), "_mixprec_skip_nonfinite", False))
 
 
 def _acc_dtype(p: Any) -> Any:

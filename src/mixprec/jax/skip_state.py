@@ -64,9 +64,17 @@ def _path_names(path: Any) -> list[str]:
 def _find_state(state: Any) -> SkipNonFiniteState:
     is_ours = lambda x: isinstance(x, SkipNonFiniteState)  # noqa: E731
     found = [(p, s) for p, s in jax.tree_util.tree_flatten_with_path(state, is_leaf=is_ours)[0] if is_ours(s)]
-    if len(found) != 1:
+    if not found:
         raise ValueError(
-            f"expected the state of exactly one skip_nonfinite transformation in this optimizer state, found {len(found)}"
+            "this optimizer state holds no skip_nonfinite state: pass the state that the init of an optimizer built "
+            "with mixprec.jax.skip_nonfinite(<optimizer>, recipe) returned"
+        )
+    if len(found) > 1:
+        where = ", ".join(jax.tree_util.keystr(p) or "(root)" for p, _ in found)
+        raise ValueError(
+            f"this optimizer state holds {len(found)} skip_nonfinite states (at {where}), each with its own loss scale "
+            "and its own skips: wrap the whole optimizer once instead, an optax.multi_transform included: "
+            "skip_nonfinite(optax.multi_transform({...}, labels), recipe)"
         )
     _refuse_multisteps(state)
     return found[0][1]
