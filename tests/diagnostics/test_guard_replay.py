@@ -214,6 +214,53 @@ def test_a_run_continues_bit_for_bit_after_replays():
         assert all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
+class SavedBuffers(nn.Module):
+    """Buffers the graph saves for backward: positions indexing an embedding through a buffer (BERT's
+    ``position_ids``/``token_type_ids``) and a batch norm's running stats; a NaN (a log of a negative number)
+    when the batch's first value is below -10."""
+
+    def __init__(self, batch_norm=True):
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+        self.register_buffer("positions", torch.arange(16).unsqueeze(0), persistent=False)
+        self.norm = nn.BatchNorm1d(8) if batch_norm else nn.GroupNorm(1, 8)
+        self.lin = nn.Linear(8, 2)
+
+    def forward(self, x):
+        h = x + self.emb(self.positions[:, : x.shape[1]])  # the index is a view of the buffer: saved for backward
+        h = self.norm(h.transpose(1, 2)).transpose(1, 2)
+        return self.lin(h) * torch.log(x[:1, :1, :1] + 10.0)
+
+
+@pytest.mark.parametrize("batch_norm", [True, False])
+def test_a_forward_replay_leaves_the_buffers_the_graph_saved_untouched(batch_norm):
+    # found by a probe on Hugging Face BERT and DistilBERT: the replay wrote the buffers back with copy_, which
+    # bumped their version counters, and the step's backward then failed ("modified by an inplace operation")
+    def run(guard):
+        torch.manual_seed(0)
+        model = SavedBuffers(batch_norm)
+        mp = mixprec.MixedPrecision("fp32", "cpu", nan_guard=guard)
+        mp.prepare(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for i in range(4):
+            x = torch.randn(3, 5, 8, generator=torch.Generator().manual_seed(i))
+            x[0, 0, 0] = -20.0 if i == 1 else 0.0
+            with mp.autocast():
+                loss = model(x).square().mean()
+            mp.step(loss, opt)
+        return mp, model
+
+    mp, model = run({"mode": "record", "trace": "on-fault"})
+    _, plain = run(False)
+    first = mp.guard.first
+    assert mp.guard.replays >= 1 and (first.phase, first.module, first.op, first.origin) == ("forward", "", "log", "producer")
+    # only a batch norm updates buffers in the forward; the replay's own restore used to look like one
+    assert any("buffers were updated" in e.replay for e in mp.guard.events) == batch_norm
+    for (name, a), b in zip(model.state_dict().items(), plain.state_dict().values()):  # running stats included
+        assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), name  # NaNs too
+    assert model.positions._version == 0
+
+
 class FirstCallOnly(nn.Module):
     """NaN on its first call only: state the replay cannot restore (a Python counter)."""
 

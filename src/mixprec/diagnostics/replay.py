@@ -270,7 +270,18 @@ class Sentinel:
         rng_now = torch.get_rng_state()
         cuda_now = None if self._cuda is None else [(s.cuda_rng[0], torch.cuda.get_rng_state(s.cuda_rng[0]))
                                                     for s in passes[:1] if s.cuda_rng is not None]
-        buffers = [(mod, name, getattr(mod, name).clone()) for mod, name in self._buffers]
+        # The replay runs on copies of the buffers, and the model's own tensors are put back after: writing
+        # their old values back with copy_ bumped their version counters, and the original graph, which
+        # saved some of them (BERT's token_type_ids, a BatchNorm's running stats), then refused its backward.
+        buffers = [(mod, name, mod._buffers[name]) for mod, name in self._buffers if name in mod._buffers]
+        copies: dict[int, torch.Tensor] = {}  # one copy per tensor: a buffer two modules share stays shared
+        with torch.no_grad():
+            for mod, name, value in buffers:
+                if value is not None:
+                    copy = copies.get(id(value))
+                    if copy is None:
+                        copy = copies[id(value)] = value.clone()
+                    mod._buffers[name] = copy
         callbacks = (tracer.on_forward_end, tracer.on_backward_start, tracer.on_backward_end)
         tracer.on_forward_end = tracer.on_backward_start = tracer.on_backward_end = None
         keep_backward = tracer.backward
@@ -317,13 +328,8 @@ class Sentinel:
             self.replaying = False
             tracer.backward = keep_backward
             tracer.on_forward_end, tracer.on_backward_start, tracer.on_backward_end = callbacks
-            with torch.no_grad():
-                for mod, name, value in buffers:
-                    cur = getattr(mod, name)
-                    if cur is not None and cur.shape == value.shape and cur.dtype == value.dtype:
-                        cur.copy_(value)
-                    else:
-                        setattr(mod, name, value)
+            for mod, name, value in buffers:
+                mod._buffers[name] = value
             torch.set_rng_state(rng_now)
             for idx, state in cuda_now or ():
                 torch.cuda.set_rng_state(state, idx)
