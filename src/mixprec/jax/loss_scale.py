@@ -31,7 +31,6 @@ third leaf, ``hysteresis_left``.
 from __future__ import annotations
 
 import dataclasses
-import warnings
 import weakref
 from typing import Any, TypeVar, Union
 
@@ -39,6 +38,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import tree_util
+
+from mixprec.jax.scale_values import _check_floor, _reciprocal, _strong, warn_if_not_floating
 
 T = TypeVar("T")
 
@@ -104,51 +105,6 @@ def _new(cls: type, **fields: Any) -> Any:
 
 
 _HYSTERESIS_LEFT: dict[int, np.ndarray] = {}
-
-
-def _weak(value: Any) -> bool:
-    """A Python number, or an array that jax types weakly (made from one): it takes the other operand's dtype."""
-    return (isinstance(value, (int, float)) and not isinstance(value, bool)) or bool(getattr(value, "weak_type", False))
-
-
-def _strong(value: Any) -> Any:
-    """The scale as a float32 value of fixed type when it is weakly typed, else itself. ``StaticLossScale(2 ** 15)``
-    (jmp's own spelling) would otherwise take the dtype of what it multiplies: an fp16 loss scaled in fp16
-    overflows above 2 at 2**15."""
-    if not _weak(value):
-        return value
-    if isinstance(value, (int, float)):
-        return np.float32(value)
-    return value.astype(jnp.float32)
-
-
-def _reciprocal(value: Any) -> Any:
-    """``1 / scale``, float32 (of fixed type) when the scale is weakly typed: a weak reciprocal takes the gradients'
-    dtype, and fp16 gradients unscaled in fp16 lose the small values the scale was protecting."""
-    if not _weak(value):
-        return 1 / value
-    if isinstance(value, (int, float)):
-        return np.float32(1.0 / value)
-    return (1 / value).astype(jnp.float32)
-
-
-def _check_floor(scale: Any, floor: np.ndarray) -> None:
-    """A scale below its floor (an overflow would raise it to the floor), or a floor that is 0 in the scale's
-    dtype (the scale would reach 0 and every later step be skipped: unscaling by 1/0)."""
-    a = np.asarray(scale)
-    dtype = a.dtype if np.issubdtype(a.dtype, np.floating) else np.dtype(np.float32)
-    if a.dtype != object and np.issubdtype(a.dtype, np.number) and (a.astype(np.float64) < floor).any():
-        raise ValueError(
-            f"DynamicLossScale: loss_scale ({a.tolist()}) is below min_loss_scale ({floor.tolist()}): an overflow would "
-            "raise it to the floor; pass a lower min_loss_scale (e.g. min_loss_scale=jnp.float32(2.0**-14))"
-        )
-    in_dtype = floor.astype(dtype)
-    if not (np.isfinite(in_dtype) & (in_dtype > 0)).all():
-        raise ValueError(
-            f"DynamicLossScale: min_loss_scale ({floor.tolist()}) is {in_dtype.tolist()} in the scale's dtype {dtype.name}: "
-            "the scale could fall to it and every later step be skipped; use a floor the dtype holds (float16: "
-            ">= 2**-24) or a float32 loss_scale"
-        )
 
 
 def _full_hysteresis(h: int) -> np.ndarray:
@@ -531,15 +487,3 @@ def select_tree(pred: Any, a: T, b: T) -> T:
         return jax.lax.select(pred, x, y)
 
     return jax.tree_util.tree_map_with_path(select, a, b)
-
-
-def warn_if_not_floating(x: Any, var_name: str) -> None:
-    """Produces a warning if the given array does not have a floating type (as jmp).
-
-    jax builds pytrees with ``object()`` placeholders while compiling; those are skipped.
-    """
-    if type(x) is object or x is None:
-        return
-    x_dtype = jax.eval_shape(lambda: x).dtype
-    if not jnp.issubdtype(x_dtype, jnp.floating):
-        warnings.warn(f"Expected floating type for {var_name}, got {x_dtype}")
