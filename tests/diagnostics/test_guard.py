@@ -420,6 +420,56 @@ def test_a_non_finite_value_dropped_inside_the_forward_is_contained_not_raised()
     assert (g.contained[0].op, g.contained[0].kind) == ("log", "inf")
 
 
+class Bucketed(nn.Module):
+    """T5's layout: an attention-like module whose masked log(0) never leaves it, then a layer that overflows."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn = MaskedLog()
+        self.ff = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.ff(self.attn(x))
+
+
+@pytest.mark.parametrize("trace", ["every-step", "on-fault"])
+def test_a_contained_value_before_the_real_fault_does_not_take_its_blame(trace):
+    # found by a probe on Hugging Face T5: its contained log(0) came first in the pass, and once anything
+    # non-finite reached the output the guard named the log (cause log-of-zero, fix: fp32 T5Attention);
+    # the real producer, an overflowing linear later on, was in no event
+    torch.manual_seed(0)
+    net = Bucketed()
+    mp = mixprec.MixedPrecision("fp32", "cpu", nan_guard={"mode": "record", "trace": trace})
+    mp.prepare(net)
+    opt = torch.optim.SGD(net.parameters(), lr=0.0)
+    with torch.no_grad():
+        net.ff.weight.fill_(1e38)
+    with mp.autocast():
+        loss = net(torch.full((2, 4), 10.0)).sum()
+    mp.step(loss, opt)
+    g = mp.guard
+    assert (g.first.phase, g.first.module, g.first.op, g.first.origin) == ("forward", "ff", "linear", "producer")
+    assert all(e.op != "log" for e in g.events)
+    if trace == "every-step":  # the on-fault guard's replays keep no contained events of their own
+        assert any(e.op == "log" for e in g.contained)
+
+
+def test_a_backward_fault_after_a_forward_fault_of_the_same_step_is_its_consequence():
+    # found by the same probe: the NaN through cross_entropy's backward after a forward NaN was blamed on a
+    # log of 0 ("the backward of log divides by its input, which held 0"); nothing held 0
+    net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 3))
+    net[0].register_forward_hook(lambda m, i, o: o * float("nan"))
+    with nan_guard(net, "record") as g:
+        F.cross_entropy(net(torch.ones(2, 4)), torch.tensor([0, 1])).backward()
+    fwd, bwd = g.events[0], g.events[-1]
+    assert fwd.phase == "forward" and bwd.phase == "backward" and bwd.follows == fwd.where_text
+    assert bwd.cause.code == "follows-forward-fault" and "consequence" in bwd.describe()
+    with nan_guard(net, "record") as g2:  # a step of its own: a backward fault with no forward one has its own cause
+        net[0]._forward_hooks.clear()
+        (net(torch.ones(2, 4)).sqrt() * 0).sum().backward()
+    assert all(e.follows is None for e in g2.events)
+
+
 class InPlaceOverflow(nn.Module):
     """The first op's output is finite; an in-place op later makes it infinite."""
 

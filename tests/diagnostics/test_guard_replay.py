@@ -144,6 +144,30 @@ def test_on_fault_names_faults_in_a_hugging_face_gpt2_like_the_full_trace():
     assert firsts["fp16-mixed"][:3] == ("forward", "transformer.h.0.mlp.c_fc", "addmm")
 
 
+def test_hugging_face_t5s_contained_log_does_not_hide_an_overflow_after_it():
+    """T5 takes the log of a 0 relative position on every step and masks it out: contained. An fp16
+    overflow in a later feed-forward layer is the fault, in both trace modes (found by a probe)."""
+    tf = pytest.importorskip("transformers")
+    config = tf.T5Config(num_layers=2, num_decoder_layers=1, d_model=32, d_ff=64, num_heads=2, d_kv=16, vocab_size=64,
+                         decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+    ids = torch.randint(3, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+
+    def build():
+        torch.manual_seed(0)
+        m = tf.T5ForConditionalGeneration(config)
+        with torch.no_grad():
+            m.encoder.block[1].layer[1].DenseReluDense.wi.weight.mul_(1e5)  # its outputs pass fp16's 65504
+        return m
+
+    task = mixprec.Task(name="t5", build_model=build, get_batch=lambda s: (ids, ids), steps=1,
+                        forward=lambda m, x: m(input_ids=x, labels=x).loss, loss_fn=lambda loss, _: loss)
+    full, cheap = _both(task, "fp16-mixed")
+    for g in (full, cheap):
+        assert (g.first.phase, g.first.module, g.first.op) == ("forward", "encoder.block.1.layer.1.DenseReluDense.wi", "linear")
+        assert all(e.op != "log" for e in g.events)
+        assert all(e.follows == g.first.where_text for e in g.events if e.phase == "backward")
+
+
 class DropoutLog(nn.Module):
     """NaN exactly where dropout dropped element 0 of a row: the fault depends on the mask drawn."""
 

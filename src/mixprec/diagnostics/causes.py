@@ -84,6 +84,12 @@ def explain(event: Any) -> Cause:
                      "or a value computed as NaN in Python) and so made NaN from finite tensors",
                      "find the NaN number in the code at the location above (a 0/0 or inf - inf done in Python)")
     if event.phase == "backward":
+        follows = getattr(event, "follows", None)
+        if follows:
+            return Cause("follows-forward-fault",
+                         f"the forward of this step already went non-finite ({follows}): its backward carries that "
+                         "value (a backward reads what its forward saved), so this is a consequence, not a second fault",
+                         "fix the forward fault named above; this one goes with it")
         if event.scaled:
             return Cause("scaled-gradient-overflow",
                          f"gradients times the loss scale ({event.scale:g}) overflowed {fmt}",

@@ -52,6 +52,9 @@ class NonFiniteEvent:
             scaler skips such steps, so the guard reports but never raises for them.
         replay: None when the full trace saw it live ("every-step"); an on-fault guard's account of
             its replay otherwise (what differed from the original pass, or why none was seen).
+        follows: backward only: where the forward fault of the same step was made, when there was
+            one. The backward then carries it (log_softmax's backward reads the forward's NaN output):
+            a consequence, not a second fault, and its cause says so.
     """
 
     phase: str
@@ -71,6 +74,7 @@ class NonFiniteEvent:
     output: TensorRange | None = None  # the offending output's range (the sign of an infinity)
     held_by: tuple[str, ...] = ()
     replay: str | None = None
+    follows: str | None = None
 
     @property
     def where_text(self) -> str:
@@ -130,7 +134,7 @@ class NonFiniteEvent:
             "node": self.node, "kind": self.kind, "dtype": str(self.dtype).removeprefix("torch."),
             "shape": list(self.shape), "inputs": [str(r) for r in self.inputs], "origin": self.origin,
             "where": self.where, "step": self.step, "scaled": self.scaled, "held_by": list(self.held_by),
-            "replay": self.replay, "cause": c.code,
+            "replay": self.replay, "follows": self.follows, "cause": c.code,
             "cause_text": c.text, "fix": c.fix,
         }
 

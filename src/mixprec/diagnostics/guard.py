@@ -25,7 +25,6 @@ When the guard is off, or after the ``with`` block, the model carries no hooks a
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 import warnings
 from collections.abc import Sequence
 from typing import Any, Literal
@@ -33,127 +32,16 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from mixprec.diagnostics._trace import ModuleCall, Record, TensorRange, Tracer
+from mixprec.diagnostics._trace import Record, TensorRange, Tracer
 from mixprec.diagnostics.events import NonFiniteError, NonFiniteEvent, NonFiniteWarning
 from mixprec.diagnostics.fp8_watch import Fp8Saturation, Fp8SaturationWarning, SaturationWatch
+from mixprec.diagnostics.producers import AllowRule, contained, find_producer, producers  # noqa: F401  (find_producer: re-exported)
 from mixprec.diagnostics.replay import MAX_PENDING, SavedPass, Sentinel
 
 Mode = Literal["raise", "warn", "record"]
 _MODES = ("raise", "warn", "record")
 Trace = Literal["every-step", "on-fault"]
 _TRACES = ("every-step", "on-fault")
-
-
-@dataclasses.dataclass(frozen=True)
-class AllowRule:
-    """An intentional non-finite value: ``module`` (glob on the qualified name, "*" for any),
-    ``op`` (None for any), and the kinds allowed (infinities only, by default)."""
-
-    module: str = "*"
-    op: str | None = None
-    kinds: tuple[str, ...] = ("inf",)
-
-    @classmethod
-    def parse(cls, spec: "str | AllowRule") -> "AllowRule":
-        """``"masked_fill"`` (an op anywhere), ``"blocks.*.attn:"`` (a module), ``"blocks.*:add"`` (both)."""
-        if isinstance(spec, AllowRule):
-            return spec
-        if not isinstance(spec, str) or not spec:
-            raise TypeError(f"allow entries are strings like 'op', 'module:' or 'module:op', or AllowRule; got {spec!r}")
-        if ":" in spec:
-            module, _, op = spec.partition(":")
-            return cls(module or "*", op or None)
-        return cls("*", spec)
-
-    def matches(self, call: ModuleCall | None, op: str | None, kind: str) -> bool:
-        if kind not in self.kinds:
-            return False
-        if self.op is not None and self.op != op:
-            return False
-        if self.module == "*":
-            return True
-        return call is not None and any(fnmatch.fnmatchcase(c.name, self.module) for c in call.ancestors())
-
-
-def _flags(bad: dict[int, tuple[bool, bool]], idx: Sequence[int | None]) -> tuple[bool, bool]:
-    nan = inf = False
-    for i in idx:
-        f = bad.get(i)  # type: ignore[arg-type]  (None is never a key)
-        if f is not None:
-            nan |= f[0]
-            inf |= f[1]
-    return nan, inf
-
-
-def _nonfinite(ranges: Sequence[TensorRange]) -> dict[int, tuple[bool, bool]]:
-    """``{index: (nan, inf)}`` of the ranges that are not finite."""
-    bad = getattr(ranges, "nonfinite", None)
-    if bad is None:
-        bad = {i: (r.nan, r.inf) for i, r in enumerate(ranges) if not r.finite}
-    return bad
-
-
-def find_producer(
-    records: list[Record],
-    ranges: list[TensorRange],
-    allow: Sequence[AllowRule] = (),
-) -> tuple[Record, str, str] | None:
-    """The first record that made a non-finite value from finite inputs: (record, kind, origin).
-
-    A NaN producer's inputs held no NaN; an Inf producer's inputs (and Python scalars) were
-    finite. Module-level records count only when no op inside that call made or carried a
-    non-finite value (the op, when seen, is the better answer). With no producer, the first
-    record that received a non-finite value is returned with origin "input". Backward nodes fed
-    by watched nodes carry no incoming ranges (see ``Tracer._on_node``): they are judged by what
-    came before them in the pass.
-    """
-    bad = _nonfinite(ranges)
-    tainted: set[int] = set()
-    intentional = False  # an infinity asked for (a -inf scalar, an allowed producer) was seen
-    first_bad_input: tuple[Record, str] | None = None
-    for rec in records:
-        out_nan, out_inf = _flags(bad, rec.outputs)
-        if not (out_nan or out_inf):
-            continue
-        t_nan, t_inf = _flags(bad, rec.inputs)
-        # An infinity passed as a number is asked for (masked_fill(m, -inf)); a NaN passed as a
-        # number is not a mask anyone means: the op that multiplied by float("nan") made the NaN.
-        in_nan, in_inf = t_nan, t_inf or rec.scalar_inf
-        kind = "nan" if out_nan else "inf"
-        if rec.op is None and rec.node is None and rec.call is not None and id(rec.call) in tainted:
-            continue
-        if rec.op is not None and rec.call is not None:
-            tainted.update(id(c) for c in rec.call.ancestors())
-        produced = (out_nan and not in_nan) or (not out_nan and out_inf and not (in_nan or in_inf))
-        if produced and rec.node is not None and not rec.inputs and (first_bad_input or intentional):
-            # A backward node whose incoming gradient the tracer did not measure (watched ops sent
-            # it); a non-finite value is already about, so it may have carried that one.
-            produced = False
-        if produced:
-            if any(a.matches(rec.call, rec.op, kind) for a in allow):
-                intentional = True
-                if rec.call is not None:  # the modules around it carry the allowed value, they do not make it
-                    tainted.update(id(c) for c in rec.call.ancestors())
-                continue
-            return rec, kind, "constant" if kind == "nan" and rec.scalar_nan else "producer"
-        if rec.scalar_inf and not (t_nan or t_inf):
-            intentional = True
-        elif first_bad_input is None and not intentional and (t_nan or t_inf):
-            first_bad_input = (rec, "nan" if t_nan else "inf")
-    if first_bad_input is not None:
-        return first_bad_input[0], first_bad_input[1], "input"
-    return None
-
-
-def _escapes(records: Sequence[Record], ranges: Any) -> bool:
-    """Whether a non-finite value reached what leaves the forward: the model's output (its root
-    call's record) or an op run after it (the loss). True when the records hold neither (a check
-    made mid-forward: nothing is known to be contained)."""
-    bad = _nonfinite(ranges)
-    final = [r for r in records if r.call is None or (r.op is None and r.node is None and r.call.parent is None)]
-    if not final:
-        return True
-    return any(any(f) for r in final for f in [_flags(bad, r.outputs)])
 
 
 class NanGuard:
@@ -204,6 +92,7 @@ class NanGuard:
         self.scaler = scaler
         self.events: list[NonFiniteEvent] = []
         self.contained: list[NonFiniteEvent] = []  # forward non-finite values that never left the forward
+        self._forward_fault: tuple[int, str] | None = None  # (step, where) of the last forward fault reported
         self.checks = 0
         self._warned: set[tuple] = set()
         self.fp8_saturations: list[Fp8Saturation] = []
@@ -304,19 +193,25 @@ class NanGuard:
         new: list[NonFiniteEvent] = []
         for phase in ("forward", "backward"):
             recs = [r for r in records if r.phase == phase]
-            found = find_producer(recs, ranges, self.allow) if recs else None
-            if found is None:
+            if not recs:
                 continue
-            ev = self._event(*found, ranges, step)
-            if phase == "forward" and not _escapes(recs, ranges):
-                # made and dropped inside the forward (T5's log of a 0 relative position, masked
-                # out by torch.where; a value clamped or nan_to_num-ed back): the model's output
-                # and the loss are finite. Kept in ``contained``, not reported; if it matters, the
-                # gradients show it in backward.
-                if len(self.contained) < self.max_events:
-                    self.contained.append(ev)
-                continue
-            new.append(ev)
+            for found in producers(recs, ranges, self.allow):
+                ev = self._event(*found, ranges, step)
+                if phase == "forward" and contained(found[0], recs, ranges):
+                    # made and dropped inside the forward (T5's log of a 0 relative position, masked out by
+                    # torch.where; a value clamped or nan_to_num-ed back): a module around it returned finite
+                    # outputs, or the model's output and the loss are finite. Kept in ``contained``, not
+                    # reported, and the search goes on: the real fault may come after it in the same pass.
+                    if len(self.contained) < self.max_events:
+                        self.contained.append(ev)
+                    continue
+                if phase == "forward":
+                    if self._forward_fault is None or self._forward_fault[0] != step:
+                        self._forward_fault = (step, ev.where_text)
+                elif self._forward_fault is not None and self._forward_fault[0] == step:
+                    ev = dataclasses.replace(ev, follows=self._forward_fault[1])  # its consequence, not a cause
+                new.append(ev)
+                break
         return new
 
     def _event(self, rec: Record, kind: str, origin: str, ranges: list[TensorRange], step: int) -> NonFiniteEvent:
@@ -358,6 +253,9 @@ class NanGuard:
         return float(t) if t is not None else float(s.get_scale())
 
     def _report(self, ev: NonFiniteEvent) -> None:
+        if ev.phase == "forward" and (self._forward_fault is None or self._forward_fault[0] != ev.step):
+            # the step's first forward fault: what its backward events then follow from
+            self._forward_fault = (ev.step, ev.where_text if ev.origin != "unlocated" else "a forward fault not located")
         if len(self.events) < self.max_events:
             self.events.append(ev)
         if ev.scaled or self.mode == "record":
