@@ -103,3 +103,13 @@ def test_a_model_output_is_cast_in_place_keeping_its_type_and_its_other_entries(
     assert type(out) is CausalLMOutputWithPast and out.logits.dtype == F32 and out["logits"].dtype == F32
     assert [t.dtype for t in out.hidden_states] == [F32, F32] and out.past_key_values is None
     assert out.loss.dtype == F32 and list(out.keys()) == ["loss", "logits", "hidden_states"]
+
+
+def test_a_recipe_name_given_as_a_policy_says_where_its_policy_is():
+    # found by a probe: get_policy("bf16-mixed") listed dtype names only
+    with pytest.raises(ValueError, match=r"'bf16-mixed' is a recipe, not a policy: its policy is "
+                                         r"mixprec\.get_recipe\('bf16-mixed'\)\.policy"):
+        get_policy("bf16-mixed")
+    with pytest.raises(ValueError) as e:
+        get_policy("bogus")
+    assert "recipe" not in str(e.value)

@@ -96,7 +96,7 @@ def get_policy(policy_name: str | Policy) -> Policy:
         except ValueError:
             raise ValueError(
                 f"Unknown dtype {token.strip()!r} in policy {policy_name!r}; "
-                f"expected one of {', '.join(accepted_names())}"
+                f"expected one of {', '.join(accepted_names())}" + _recipe_hint(policy_name)
             ) from None
 
     if "=" not in text:
@@ -249,3 +249,12 @@ def prepared_forward_options(mp: Any) -> dict[str, Any]:
     the inputs, a 16-bit storage recipe (one with masters) enters autocast outside one."""
     return {"input_dtype": mp.policy.compute_dtype if mp.recipe.pure else None,
             "autocast": (mp.device.type, mp.policy.compute_dtype) if mp.masters is not None else None}
+
+
+def _recipe_hint(name: str) -> str:
+    """When a policy string is a recipe's name ("bf16-mixed"): where its policy is."""
+    from mixprec.recipes import recipe_names  # imported only on this error path
+
+    key = name.strip().lower()
+    return f". {name.strip()!r} is a recipe, not a policy: its policy is mixprec.get_recipe({key!r}).policy" \
+        if key in recipe_names() else ""

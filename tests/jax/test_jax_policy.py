@@ -129,3 +129,9 @@ def test_str_of_numpy_dtypes(impl, dtype):
 def test_non_string_policy_is_a_type_error():
     with pytest.raises(TypeError, match="policy string"):
         mpj.get_policy(32)
+
+
+def test_a_recipe_name_given_as_a_policy_says_where_its_policy_is():
+    with pytest.raises(ValueError, match=r"'fp16-mixed' is a recipe, not a policy: its policy is "
+                                         r"mixprec\.jax\.get_recipe\('fp16-mixed'\)\.policy"):
+        mpj.get_policy("fp16-mixed")

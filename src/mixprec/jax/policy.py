@@ -148,13 +148,22 @@ def get_policy(policy_name: str) -> Policy:
     return Policy(param_dtype=param_dtype, compute_dtype=compute_dtype, output_dtype=output_dtype)
 
 
+def _recipe_hint(name: str) -> str:
+    """When a policy string is a recipe's name ("bf16-mixed"): where its policy is."""
+    from mixprec.jax.recipes import recipe_names  # imported only on this error path
+
+    key = name.strip().lower()
+    return f". {name.strip()!r} is a recipe, not a policy: its policy is mixprec.jax.get_recipe({key!r}).policy" \
+        if key in recipe_names() else ""
+
+
 def _parse_in(token: str, policy_name: str) -> Any:
     try:
         return parse_dtype(token)
     except ValueError:
         raise ValueError(
             f"Unknown dtype {token.strip()!r} in policy {policy_name!r}; expected one of {', '.join(accepted_dtype_names())} "
-            "(any case)"
+            "(any case)" + _recipe_hint(policy_name)
         ) from None
 
 
