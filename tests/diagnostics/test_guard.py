@@ -577,3 +577,16 @@ def test_a_broadcasting_add_stays_hooked_its_gradient_sum_can_overflow():
     ev = g.first
     assert (ev.phase, ev.origin, ev.op, ev.kind) == ("backward", "producer", "add", "inf"), ev.describe()
     assert ev.node == "AddBackward0"
+
+
+def test_a_16_bit_linear_making_nan_from_finite_inputs_is_named_an_overflow():
+    # found by a probe (T5's feed-forward, weights x 1e5): the cause read "unknown, inspect the op"; an fp16
+    # product past 65504 of each sign summed to inf - inf = NaN
+    net = nn.Linear(2, 1, bias=False)
+    with torch.no_grad():
+        net.weight.copy_(torch.tensor([[1e5, -1e5]]))
+    with nan_guard(net, "record") as g, torch.autocast("cpu", torch.float16):
+        net(torch.ones(1, 2))
+    ev = g.first
+    assert (ev.op, ev.kind, ev.cause.code) == ("linear", "nan", "matmul-overflow")
+    assert "inf - inf" in ev.cause.text and "bf16 has fp32's range" in ev.cause.fix

@@ -146,6 +146,13 @@ def explain(event: Any) -> Cause:
         if op in CAST_OPS:
             return Cause("cast-overflow", f"a value past {limit:g} was cast to {fmt}", _island_fix(event))
         return Cause("overflow", f"{op or 'the module'} passed the {fmt} maximum ({limit:g})", _island_fix(event))
+    if event.kind == "nan" and sixteen and (op in MATMUL_OPS or op in REDUCE_OPS) and not any(r.nan or r.inf for r in ins):
+        # finite inputs, a NaN out: partial sums overflowed to +inf and -inf, and adding them made NaN
+        limit = get_format(event.dtype).max
+        return Cause("matmul-overflow" if op in MATMUL_OPS else "reduction-overflow",
+                     f"a {op} in {fmt} overflowed: its products or partial sums passed the {fmt} maximum ({limit:g}) "
+                     "with both signs, and inf - inf made NaN; inputs were finite",
+                     f"bf16 has fp32's range; or scale the operands down before the {op}, or {_island_fix(event)}")
     if event.kind == "nan" and any(r.inf for r in ins):
         return Cause("inf-arithmetic", "NaN from infinite inputs (inf - inf, 0 * inf, softmax of an all -inf row)",
                      "find where the infinity came from (an allowed infinity reaching this op?)")
