@@ -251,10 +251,13 @@ def prepared_forward_options(mp: Any) -> dict[str, Any]:
             "autocast": (mp.device.type, mp.policy.compute_dtype) if mp.masters is not None else None}
 
 
-def _recipe_hint(name: str) -> str:
-    """When a policy string is a recipe's name ("bf16-mixed"): where its policy is."""
-    from mixprec.recipes import recipe_names  # imported only on this error path
+def _recipe_hint(name: str, module: str = "mixprec") -> str:
+    """When a policy string looks like a recipe's name ("bf16-mixed"): where its policy is. (Read from the
+    recipes module when it is loaded, by the name's shape otherwise: the recipes import this module.)"""
+    import sys
 
     key = name.strip().lower()
-    return f". {name.strip()!r} is a recipe, not a policy: its policy is mixprec.get_recipe({key!r}).policy" \
-        if key in recipe_names() else ""
+    recipes = sys.modules.get(f"{module}.recipes")
+    known = getattr(recipes, "recipe_names", None)
+    looks = key in known() if known is not None else ("-" in key and "=" not in key)
+    return f". {name.strip()!r} is a recipe, not a policy: its policy is {module}.get_recipe({key!r}).policy" if looks else ""

@@ -149,12 +149,14 @@ def get_policy(policy_name: str) -> Policy:
 
 
 def _recipe_hint(name: str) -> str:
-    """When a policy string is a recipe's name ("bf16-mixed"): where its policy is."""
-    from mixprec.jax.recipes import recipe_names  # imported only on this error path
+    """When a policy string looks like a recipe's name ("bf16-mixed"): where its policy is. (Read from the
+    recipes module when it is loaded, by the name's shape otherwise: the recipes import this module.)"""
+    import sys
 
     key = name.strip().lower()
-    return f". {name.strip()!r} is a recipe, not a policy: its policy is mixprec.jax.get_recipe({key!r}).policy" \
-        if key in recipe_names() else ""
+    known = getattr(sys.modules.get("mixprec.jax.recipes"), "recipe_names", None)
+    looks = key in known() if known is not None else ("-" in key and "=" not in key)
+    return f". {name.strip()!r} is a recipe, not a policy: its policy is mixprec.jax.get_recipe({key!r}).policy" if looks else ""
 
 
 def _parse_in(token: str, policy_name: str) -> Any:
