@@ -51,6 +51,14 @@ _WRAPPERS = frozenset({
     "torch.nn.parallel.DistributedDataParallel", "torch.nn.parallel.distributed.DistributedDataParallel",
     "torch.nn.DataParallel", "torch.nn.parallel.DataParallel", "torch.compile",
 })
+# Set-ups that wrap the model and keep its parameters, dtype included: Fabric's setup_module/setup and
+# Accelerate's prepare (unless a DeepSpeed or FSDP set-up is visible), FSDP given no mixed_precision.
+# Read as rebindings that may change the parameters, they hid a .half() model (found by a probe of
+# real scripts: lit-llama's fabric.setup_module, an FSDP(model) of a .half() model).
+_FSDP = frozenset({"torch.distributed.fsdp.FullyShardedDataParallel",
+                   "torch.distributed.fsdp.fully_sharded_data_parallel.FullyShardedDataParallel"})
+_FABRICS = frozenset({"lightning.Fabric", "lightning.fabric.Fabric", "lightning_fabric.Fabric",
+                      "lightning.fabric.fabric.Fabric"})
 _ADAPTERS = frozenset({"cast_training_params", "add_adapter", "get_peft_model", "inject_adapter_in_model",
                        "prepare_model_for_kbit_training", "load_adapter"})
 _COPIES = frozenset({"float", "double", "detach", "clone", "to", "type", "new_tensor", "copy_"})
@@ -234,7 +242,11 @@ class HalfModels(IndirectCasts, DefaultDtypes):
             for c in self.script.calls
         )
 
-    def _exempt(self, k: str, at: ast.AST) -> bool:
+    def _exempt(self, k: str, at: ast.AST, cast: bool = False) -> bool:
+        """Whether ``k`` gets adapters upcast for training, or goes through a sharded Accelerate
+        set-up. For a ``cast``, only adapters that come after it count: ``get_peft_model(unet)``
+        and then ``unet.to(dtype=weight_dtype)`` casts the adapters too, and they are what the
+        optimizer trains (found by a probe of real scripts)."""
         script = self.script
         if self._special is None:
             self._special = [c for c in script.calls if _name(c.func) in _ADAPTERS or _name(c.func) == "prepare"]
@@ -244,10 +256,36 @@ class HalfModels(IndirectCasts, DefaultDtypes):
             mentions = any(key_of(a) == k for a in (*call.args, *(kw.value for kw in call.keywords)))
             on_it = isinstance(func, ast.Attribute) and key_of(func.value) == k
             if name in _ADAPTERS and (mentions or on_it) and script.same_scope(call, at, k):
-                return True
+                if not (cast and (call.end_lineno or call.lineno) < at.lineno):
+                    return True
             if name == "prepare" and mentions and self._sharded(func):
                 return True
         return False
+
+    def _setup_keeps(self, call: ast.Call) -> bool:
+        """``fabric.setup_module(model)``, ``fabric.setup(model, opt)``, ``accelerator.prepare(model)``:
+        the module wrapped, its parameters as they were, unless the Fabric is built with a DeepSpeed
+        strategy or the Accelerator with FSDP/DeepSpeed (which keep fp32 master weights)."""
+        func = call.func
+        if not isinstance(func, ast.Attribute):
+            return False
+        if func.attr == "prepare":
+            return self._accelerator(func.value) and not self._sharded(func)
+        if func.attr not in ("setup_module", "setup"):
+            return False
+        built = [v for v in values(self.script, func.value) or [] if isinstance(v, ast.Call)]
+        fabrics = [v for v in built if self.script.qualname(v.func) in _FABRICS]
+        if fabrics:
+            return not any("deepspeed" in ast.unparse(kw.value).lower() for v in fabrics for kw in v.keywords
+                           if kw.arg in ("strategy", None))
+        return not built and "fabric" in (key_of(func.value) or "").lower()
+
+    def _accelerator(self, receiver: ast.AST) -> bool:
+        """An Accelerate ``Accelerator``: built as one in the file, or a name that says so."""
+        built = [v for v in values(self.script, receiver) or [] if isinstance(v, ast.Call)]
+        if built:
+            return all((self.script.qualname(v.func) or "").startswith("accelerate.") for v in built)
+        return "accelerator" in (key_of(receiver) or "").lower()
 
     def _sharded(self, func: ast.AST) -> bool:
         """``accelerator.prepare`` of an Accelerator built with FSDP or DeepSpeed."""
@@ -283,8 +321,13 @@ class HalfModels(IndirectCasts, DefaultDtypes):
         """``model.cuda()``, ``model.to(device)``, ``DDP(model)``: the same parameters, same dtype."""
         if value is None:
             return False
-        if isinstance(value, ast.Call) and self.script.qualname(value.func) in _WRAPPERS:
+        if isinstance(value, ast.Call) and self.script.qualname(value.func) in _WRAPPERS | _FSDP:
+            if self.script.qualname(value.func) in _FSDP and (len(value.args) > 6 or any(
+                    kw.arg in ("mixed_precision", None) for kw in value.keywords)):
+                return False  # FSDP with a MixedPrecision policy: left to it, as an upcast
             return bool(value.args) and (key_of(value.args[0]) == k or self._keeps(k, value.args[0]))
+        if isinstance(value, ast.Call) and self._setup_keeps(value):
+            return any(key_of(a) == k or self._keeps(k, a) for a in value.args)
         if self._upcasts(value):
             return False  # back to fp32
         node = value
@@ -307,14 +350,14 @@ class HalfModels(IndirectCasts, DefaultDtypes):
             opts = [o for key, os_ in trained.items() if key == cast.key or key.startswith(cast.key + ".") for o in os_]
             # not in opposite arms: ``if not args.train_text_encoder: text_encoder.to(dtype)``
             opts = [o for o, f in opts if script.same_scope(cast.call, o, cast.key) and not _clash(facts, f)]
-            if not opts or self._exempt(cast.key, cast.call):
+            if not opts or self._exempt(cast.key, cast.call, cast=True):
                 continue
             before = [o for o in opts if o.lineno > cast.stmt.lineno and not self._rebinds(cast.key, cast.stmt, o)
                       and not self._upcast_between(cast.key, cast.stmt, o)]
             after = [o for o in opts if o.lineno < cast.stmt.lineno] if cast.in_place and self._trains_after(cast) else []
             if not before and not after:
                 continue
-            when = "" if cast.dtypes <= _SIXTEEN else f" when {cast.dtype_text} is 16-bit"
+            when = "" if cast.dtypes <= _SIXTEEN else f" when {cast.dtype_text}"
             if before:
                 message = (f"{cast.key} {cast.what}{when} and its parameters are given to the optimizer: "
                            f"no fp32 master weights")

@@ -9,6 +9,7 @@ import sys
 
 from mixprec.lint.rules import RULES
 
+INTERNAL_ERROR = 3  # the linter failed (on a file, or at all): not a finding (1), not usage (2)
 HELP = "check training scripts for mixed-precision traps without running them"
 DESCRIPTION = (
     "Read Python training scripts (files or directories) and report the mixed-precision\n"
@@ -19,7 +20,9 @@ DESCRIPTION = (
         f"  {r.code}  {r.name}{'  (fixable)' if r.fixable else ''}{'  (info)' if r.severity == 'info' else ''}"
         for r in RULES.values()
     )
-    + "\n\nExit status: 0 nothing found (or only info notes), 1 problems found, 2 usage or config error.\n"
+    + "\n\nExit status: 0 nothing found (or only info notes), 1 problems found, 2 usage or config error,\n"
+    "3 the linter itself failed on a file (reported as MP000 'lint could not analyse'; the others\n"
+    "are still checked).\n"
     "Silence one line with '# noqa: MP101'; configure in [tool.mixprec.lint] of pyproject.toml."
 )
 
@@ -85,6 +88,9 @@ def run(args: argparse.Namespace) -> int:
     except FileNotFoundError as error:
         print(f"mixprec lint: no such file or directory: {error}", file=sys.stderr)
         return 2
+    except Exception as error:  # noqa: BLE001 - a crash of the linter must not read as findings (1)
+        print(f"mixprec lint: internal error: {type(error).__name__}: {error}", file=sys.stderr)
+        return INTERNAL_ERROR
 
     for p in empty:
         print(f"mixprec lint: {p}: no Python file to check there (nothing was checked)", file=sys.stderr)
@@ -93,10 +99,14 @@ def run(args: argparse.Namespace) -> int:
     try:
         code = _report(args, result)
         sys.stdout.flush()  # a broken pipe shows here, inside the handler, not at interpreter exit
-        return 2 if empty and code == 0 else code
     except BrokenPipeError:  # the reader went away (``mixprec lint . | head``): stop quietly
         _silence_stdout()
-        return 1 if _problems(result) else 0
+        code = 1 if _problems(result) else 0
+    if result.failed:
+        n = len(result.failed)
+        print(f"mixprec lint: could not analyse {n} file{'s' if n != 1 else ''} (see MP000 above)", file=sys.stderr)
+        return INTERNAL_ERROR
+    return 2 if empty and code == 0 else code
 
 
 def _silence_stdout() -> None:
@@ -110,8 +120,9 @@ def _silence_stdout() -> None:
 
 
 def _problems(result) -> list:
-    """The findings that fail the run: every one but the info notes."""
-    return [f for f in result.findings if f.severity != "info"]
+    """The findings that fail the run as problems (1): every one but the info notes and the
+    files the linter failed on (those fail it with 3)."""
+    return [f for f in result.findings if f.severity != "info" and not f.internal]
 
 
 def _report(args: argparse.Namespace, result) -> int:
@@ -126,8 +137,10 @@ def _report(args: argparse.Namespace, result) -> int:
             rule = RULES[finding.code]
             print(f"    why: {rule.why}\n    fix: {rule.fix}")
     problems = _problems(result)
-    notes = len(result.findings) - len(problems)
+    notes = sum(f.severity == "info" for f in result.findings)
     noted = f", {notes} note{'s' if notes != 1 else ''} (info)" if notes else ""
+    if result.failed:
+        noted += f", {len(result.failed)} not analysed"
     n, files = len(problems), len({f.path for f in problems})
     if n:
         fixable = sum(f.fixable for f in result.findings)

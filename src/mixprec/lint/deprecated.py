@@ -29,7 +29,7 @@ import ast
 import re
 
 from mixprec.lint.fixes import Source
-from mixprec.lint.names import Script, canonical
+from mixprec.lint.names import TORCH_STAR_EXPORTS, Script, canonical
 from mixprec.lint.report import Edit, Hit
 
 # deprecated name -> (device, name under torch.amp / torch)
@@ -199,7 +199,24 @@ def deprecated_hits(script: Script, source: Source) -> list[Hit]:
     return hits
 
 
+def _star_hit(script: Script, rewriter: _Rewriter, node: ast.ImportFrom) -> Hit | None:
+    """``from torch.cuda.amp import *``: reported at the import, naming the deprecated names the
+    file uses (all of them when it uses none); not rewritten."""
+    module = canonical(node.module)
+    names = [n for n in TORCH_STAR_EXPORTS[module] if n not in script.deprecated_shims]
+    if not names or in_fallback_arm(script, rewriter.parents, node, names[0]):
+        return None
+    used = {r.id for r in script.nodes if isinstance(r, ast.Name) and isinstance(r.ctx, ast.Load)}
+    names = [n for n in names if n in used] or names
+    old = [f"{module}.{n}" for n in names]
+    hint = "; ".join(_replacement_hint(q) for q in old)
+    message = f"from {module} import * brings in the deprecated {', '.join(old)}; use {hint}"
+    return Hit("MP201", node, message)
+
+
 def _import_hit(script: Script, source: Source, rewriter: _Rewriter, node: ast.ImportFrom) -> Hit | None:
+    if any(a.name == "*" for a in node.names) and canonical(node.module) in TORCH_STAR_EXPORTS:
+        return _star_hit(script, rewriter, node)
     found = [(a, canonical(f"{node.module}.{a.name}")) for a in node.names]
     old = [(a, q) for a, q in found if q in DEPRECATED and (a.asname or a.name) not in script.deprecated_shims]
     old = [(a, q) for a, q in old if not in_fallback_arm(script, rewriter.parents, node, DEPRECATED[q][1])]

@@ -10,14 +10,17 @@ from __future__ import annotations
 import ast
 import fnmatch
 import re
+import sys
 import tokenize
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import NamedTuple
 
 from mixprec.lint.checks import check
 from mixprec.lint.deprecated import deprecated_hits
 from mixprec.lint.fixes import Source, apply_edits
+from mixprec.lint.notebooks import is_notebook, notebook_code
 from mixprec.lint.workspace import Project
 from mixprec.lint.report import Finding
 from mixprec.lint.rules import RULES
@@ -27,19 +30,56 @@ _NOQA = re.compile(r"#\s*noqa(?::\s*(?P<codes>[A-Z]+[0-9]+(?:[\s,]+[A-Z]+[0-9]+)
 _FIX_PASSES = 3  # a fix can expose another (nested calls); each pass re-parses
 
 
-def _hits(text: str, path: str | None = None, project: Project | None = None):
-    """(hits, source) of one file's text, or (SyntaxError, source) when it does not parse."""
-    source = Source(text)
+class _Unchecked(NamedTuple):
+    """Why a file's text was not checked: it does not parse, or the linter failed on it."""
+
+    line: int
+    col: int
+    message: str
+    internal: bool = False  # the linter's failure (exit status 3), not a problem in the file
+
+
+def _syntax_message(error: SyntaxError) -> str:
+    """The message for a text this interpreter cannot parse, naming the interpreter: a file
+    may be valid on a newer Python (a PEP 701 f-string reusing its quotes, valid from 3.12, was
+    reported as a plain syntax error under 3.11: found by a probe of real scripts)."""
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    message = f"syntax error with Python {version} (the Python running mixprec): {error.msg}"
+    if sys.version_info < (3, 12) and error.msg.startswith("f-string"):
+        return message + "; valid from Python 3.12 if the f-string reuses its quotes or nests them (PEP 701)"
+    return message + "; the file may be valid on a newer Python"
+
+
+def _parse(text: str) -> ast.Module | _Unchecked:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", SyntaxWarning)  # invalid escapes etc. are not ours
-            tree = ast.parse(text)
-    except (SyntaxError, ValueError) as error:  # ValueError: null bytes
-        if not isinstance(error, SyntaxError):
-            error = SyntaxError(str(error), (None, 1, 0, ""))
-        return error, source
-    script = (project or Project()).for_text(text, tree, path)
-    return [*check(script), *deprecated_hits(script, source)], source
+            return ast.parse(text)
+    except SyntaxError as error:
+        return _Unchecked(error.lineno or 1, error.offset or 1, _syntax_message(error))
+    except ValueError as error:  # null bytes
+        return _Unchecked(1, 1, f"syntax error: {error}")
+    except (RecursionError, MemoryError) as error:
+        # a 5,000-branch elif or a 3,000-term sum (found by a probe of real scripts): Python
+        # cannot compile the file either, so it is a problem of the file, like a syntax error
+        return _Unchecked(1, 1, f"too deeply nested for Python's parser ({type(error).__name__}): not checked")
+
+
+def _hits(text: str, path: str | None = None, project: Project | None = None):
+    """(hits, source) of one file's text, or (_Unchecked, source) when it was not checked."""
+    source = Source(text)
+    tree = _parse(text)
+    if isinstance(tree, _Unchecked):
+        return tree, source
+    try:
+        script = (project or Project()).for_text(text, tree, path)
+        return [*check(script), *deprecated_hits(script, source)], source
+    except Exception as error:  # noqa: BLE001 - one file's failure must not end a directory run
+        # RecursionError: the rules walk nested code recursively, and a valid file nested deeply
+        # enough (a 900-branch elif in a function) exhausts the stack; anything else is a bug
+        why = "nested too deeply for the linter" if isinstance(error, RecursionError) else "internal error"
+        message = f"lint could not analyse this file ({why}: {type(error).__name__}); nothing in it was checked"
+        return _Unchecked(1, 1, message, internal=True), source
 
 
 def _suppressed(source: Source, line: int, code: str) -> bool:
@@ -54,22 +94,50 @@ def _suppressed(source: Source, line: int, code: str) -> bool:
 
 def _findings(text: str, path: str, codes: set[str], project: Project | None = None) -> tuple[list[Finding], list[tuple]]:
     """Findings (sorted) and, for the fixable ones, their edit groups."""
+    cells = None
+    if is_notebook(path):
+        try:
+            cells = notebook_code(text)
+        except ValueError as error:
+            return ([Finding(path, 1, 1, "MP000", str(error))] if "MP000" in codes else []), []
+        text = cells.text
     result, source = _hits(text, path, project)
-    if isinstance(result, SyntaxError):
-        line = result.lineno or 1
-        col = result.offset or 1
-        finding = Finding(path, line, col, "MP000", f"syntax error: {result.msg}")
-        return ([finding] if "MP000" in codes else []), []
-    findings, groups = [], []
+    if isinstance(result, _Unchecked):
+        finding = Finding(path, result.line, result.col, "MP000", result.message, internal=result.internal)
+        # a file the linter failed on is always said, whatever --select: nothing in it was checked
+        findings = [finding] if "MP000" in codes or result.internal else []
+        return [_in_cell(f, cells) for f in findings], []
+    findings, groups = _broken_cells(path, cells) if "MP000" in codes else [], []
     for hit in result:
         line = hit.node.lineno
         if hit.code not in codes or _suppressed(source, line, hit.code):
             continue
-        findings.append(Finding(path, line, source.column(hit.node), hit.code, hit.message, hit.edits is not None))
-        if hit.edits is not None and RULES[hit.code].fixable:
+        fixable = hit.edits is not None and cells is None  # a notebook's JSON is not rewritten
+        findings.append(_in_cell(Finding(path, line, source.column(hit.node), hit.code, hit.message, fixable), cells))
+        if fixable and RULES[hit.code].fixable:
             groups.append(hit.edits)
-    findings.sort(key=lambda f: (f.line, f.col, f.code))
+    findings.sort(key=lambda f: (f.cell or 0, f.line, f.col, f.code))
     return findings, groups
+
+
+def _broken_cells(path: str, cells) -> list[Finding]:
+    """MP000, as information, for each notebook cell that does not parse on its own (left out of the script):
+    notebooks hold shell lines and ``<your-api-key>`` placeholders that were never Python, and a run over a
+    directory of them must not fail on those (found on the probe's corpus: 8 such cells)."""
+    return [
+        Finding(path, error.lineno or 1, error.offset or 1, "MP000",
+                f"{_syntax_message(error)} (this cell was left out; the other cells were checked)", cell=cell,
+                note=True)
+        for cell, error in (cells.broken if cells is not None else ())
+    ]
+
+
+def _in_cell(finding: Finding, cells) -> Finding:
+    """The finding placed by notebook cell and line in the cell (unchanged for a script)."""
+    if cells is None:
+        return finding
+    cell, line = cells.place(finding.line)
+    return replace(finding, cell=cell, line=line)
 
 
 def lint_source(
@@ -110,7 +178,7 @@ def fix_source(text: str, codes: set[str] | None = None, path: str | None = None
 def _parses(text: str) -> bool:
     try:
         ast.parse(text)
-    except (SyntaxError, ValueError):
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
         return False
     return True
 
@@ -126,16 +194,20 @@ def read_text(path: Path) -> tuple[str, str]:
 
 
 def iter_python_files(paths: list[Path], exclude: list[str] = ()) -> list[Path]:
-    """Files named on the command line as given; directories walked for ``*.py``, skipping
-    hidden directories, virtual environments, build output and ``exclude`` globs."""
+    """Files named on the command line as given; directories walked for ``*.py`` and
+    ``*.ipynb`` files, skipping hidden directories (``.ipynb_checkpoints`` among them), virtual
+    environments, build output and ``exclude`` globs. A directory whose name ends in ``.py``
+    (``pkg.py/__init__.py``) is walked into, not read as a file (found by a probe of real
+    scripts)."""
     found: list[Path] = []
     for path in paths:
         if path.is_file():
             found.append(path)
             continue
-        for candidate in sorted(path.rglob("*.py")):
+        candidates = [*path.rglob("*.py"), *path.rglob("*.ipynb")]
+        for candidate in sorted(candidates):
             parts = candidate.relative_to(path).parts
-            if any(p.startswith(".") or p in SKIP_DIRS for p in parts[:-1]):
+            if any(p.startswith(".") or p in SKIP_DIRS for p in parts[:-1]) or not candidate.is_file():
                 continue
             text = candidate.as_posix()
             if any(fnmatch.fnmatch(text, g) or fnmatch.fnmatch(candidate.name, g) for g in exclude):
@@ -153,6 +225,11 @@ class LintResult:
     @property
     def files_with_findings(self) -> int:
         return len({f.path for f in self.findings})
+
+    @property
+    def failed(self) -> list[str]:
+        """The files the linter failed on (nothing in them was checked): exit status 3."""
+        return sorted({f.path for f in self.findings if f.internal})
 
 
 def lint_paths(
@@ -182,7 +259,7 @@ def lint_paths(
             if "MP000" in codes:
                 result.findings.append(Finding(name, 1, 1, "MP000", f"cannot read the file: {error}"))
             continue
-        if fix:
+        if fix and not is_notebook(name):  # a notebook's JSON is linted, not rewritten
             new, count = fix_source(text, codes, name)
             if count:
                 path.write_bytes(new.encode(encoding))

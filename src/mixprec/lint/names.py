@@ -428,6 +428,14 @@ def _line_table(ranges, size: int) -> list:
     return table
 
 
+# ``from torch.cuda.amp import *`` binds its ``__all__``: without it GradScaler and autocast were
+# unknown names there, and MP201 missed the deprecated import (found by a probe of real scripts)
+TORCH_STAR_EXPORTS = {
+    "torch.cuda.amp": ("autocast", "GradScaler", "custom_fwd", "custom_bwd"),
+    "torch.cpu.amp": ("autocast", "GradScaler"),
+}
+
+
 def canonical(name: str) -> str:
     return _CANONICAL.get(name, name)
 
@@ -445,15 +453,24 @@ def _calls_in(node: ast.AST) -> list[ast.Call]:
 
 
 def _module_statements(body: list[ast.stmt]):
-    """Statements that run at import time: the module body and the blocks of its if/try/with."""
-    for stmt in body:
+    """Statements that run at import time: the module body and the blocks of its if/try/with,
+    each statement before the blocks it holds (body, orelse, finalbody, then the handlers).
+
+    A stack of iterators, not recursion: an ``elif`` chain is an ``If`` nested in the one
+    before's ``orelse``, and a 1,000-branch chain at module level (valid Python) overflowed the
+    interpreter's stack (found by a probe of real scripts)."""
+    stack = [iter(body)]
+    while stack:
+        stmt = next(stack[-1], None)
+        if stmt is None:
+            stack.pop()
+            continue
         yield stmt
         if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             continue
-        for field in ("body", "orelse", "finalbody"):
-            yield from _module_statements(getattr(stmt, field, []))
-        for handler in getattr(stmt, "handlers", []):
-            yield from _module_statements(handler.body)
+        blocks = [getattr(stmt, f, []) for f in ("body", "orelse", "finalbody")]
+        blocks += [h.body for h in getattr(stmt, "handlers", [])]
+        stack.append(iter([s for block in blocks for s in block]))
 
 
 def _bindings(node: ast.Import | ast.ImportFrom) -> list[tuple[str, str]]:
@@ -469,4 +486,7 @@ def _bindings(node: ast.Import | ast.ImportFrom) -> list[tuple[str, str]]:
         return out
     if node.level or not node.module:
         return []
-    return [(a.asname or a.name, f"{node.module}.{a.name}") for a in node.names if a.name != "*"]
+    out = [(a.asname or a.name, f"{node.module}.{a.name}") for a in node.names if a.name != "*"]
+    if any(a.name == "*" for a in node.names):  # torch's own ``__all__``: known without importing it
+        out += [(name, f"{node.module}.{name}") for name in TORCH_STAR_EXPORTS.get(canonical(node.module), ())]
+    return out

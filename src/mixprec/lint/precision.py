@@ -157,13 +157,16 @@ def _fp16_without_scaler(fc, regions: list[Event], backs: list[Event], scaled: l
         and not fc.script.scaler_keys)]
     plain = [b for b in backs if b.loss == "plain" or (b.loss == "scaled" and not fc.live(b.scaler))]
     # a region and a backward() that cannot run in one pass (``if amp:`` ... ``else:``) are no pair
-    pairs = (
+    pairs = [
         (r, b)
         for r in fp16
         for b in plain
         if not (exclusive(r, b) if r.order < b.order else exclusive(b, r)) and not opposite_arms(r, b)
-    )
-    pair = next(pairs, None)
+    ]
+    # cite the backward() the region feeds: the first one after it, not an fp32 backward() that
+    # runs before the region (llm.c's debug pass before its training loop: found by a probe of
+    # real scripts)
+    pair = min(pairs, key=lambda p: (p[1].order < p[0].order, abs(p[1].order - p[0].order)), default=None)
     if pair is not None:
         region, back = pair
         autocast = region.ctx[-1].autocast

@@ -36,6 +36,9 @@ class Finding:
     code: str
     message: str
     fixable: bool = False
+    cell: int | None = None  # a notebook's cell (1-based); ``line`` is then the line in that cell
+    internal: bool = False  # the linter failed on the file (exit status 3), not a problem in it
+    note: bool = False  # said as information whatever the rule's severity (a notebook cell that does not parse)
 
     @property
     def name(self) -> str:
@@ -44,12 +47,20 @@ class Finding:
     @property
     def severity(self) -> str:
         """"error" (a trap: exit status 1) or "info" (worth knowing; does not fail the run)."""
-        return RULES[self.code].severity
+        return "info" if self.note else RULES[self.code].severity
 
     def as_text(self) -> str:
         note = " (info)" if self.severity == "info" else ""
-        return f"{self.path}:{self.line}:{self.col}: {self.code}{note} {self.message}"
+        where = f"{self.path}:cell {self.cell}" if self.cell is not None else self.path
+        return f"{where}:{self.line}:{self.col}: {self.code}{note} {self.message}"
 
     def as_dict(self) -> dict:
+        """The JSON object; ``cell`` only for a notebook, ``internal`` only when true."""
         rule = RULES[self.code]
-        return {**asdict(self), "name": rule.name, "why": rule.why, "fix": rule.fix, "severity": rule.severity}
+        out = {**asdict(self), "name": rule.name, "why": rule.why, "fix": rule.fix, "severity": self.severity}
+        del out["note"]
+        if self.cell is None:
+            del out["cell"]
+        if not self.internal:
+            del out["internal"]
+        return out

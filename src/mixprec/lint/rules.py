@@ -25,8 +25,11 @@ RULES: dict[str, Rule] = {
         Rule(
             "MP000",
             "syntax-error",
-            "The file could not be parsed, so none of its training loop was checked.",
-            "Make the file valid Python (run it through `python -m py_compile`).",
+            "The file could not be parsed by the Python running mixprec (or, exit status 3, the "
+            "linter failed on it), so none of its training loop was checked.",
+            "Make the file valid Python for this interpreter (run it through `python -m py_compile`), "
+            "or lint it with the newer Python it is written for; a file the linter failed on is a "
+            "linter bug worth reporting.",
         ),
         Rule(
             "MP101",
