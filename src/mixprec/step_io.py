@@ -6,12 +6,15 @@ mistake is one clear error before any work; ``StepStats``, what one ``step`` did
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from collections.abc import Sequence
 from typing import Any, Union
 
 import torch
 
 from mixprec.formats import short_name
+from mixprec.scaling.scaler import GradScaler
+from mixprec.scaling.validate import check_state_dict
 
 
 @dataclasses.dataclass
@@ -132,6 +135,34 @@ def _check_mp_state(state: Any) -> None:
         raise ValueError(f"not a MixedPrecision state dict (keys {sorted(state)[:6]}"
                          f"{', unknown: ' + str(sorted(unknown)[:6]) if unknown else ''}); mp.state_dict() is {shape}. "
                          "Save mp.state_dict() beside the model's and the optimizer's and load that")
+
+
+def check_loadable(mp: Any, state: Any, strict: bool) -> int:
+    """Every check ``MixedPrecision.load_state_dict`` makes, before it applies anything: the shape of the
+    dict, the recipe, the scaler's, the masters' and the fp8 state, the step count (returned)."""
+    _check_mp_state(state)
+    if strict and state.get("recipe") != mp.recipe.name:
+        raise ValueError(
+            f"checkpoint was saved with recipe {state.get('recipe')!r}, this MixedPrecision uses "
+            f"{mp.recipe.name!r}; pass strict=False to load the scaler state anyway"
+        )
+    steps = state.get("steps", 0)
+    if isinstance(steps, torch.Tensor) and steps.numel() == 1 and not steps.is_floating_point():
+        steps = steps.item()
+    if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 0:
+        raise ValueError(f"the state's 'steps' must be an integer >= 0 (the optimizer steps taken), got "
+                         f"{type(steps).__name__} {steps!r}"[:200] + ": the checkpoint is damaged or was edited; "
+                         "load one saved with mp.state_dict()")
+    scaler = state.get("scaler")
+    if scaler and mp.scaler.is_enabled() and type(mp.scaler).load_state_dict is GradScaler.load_state_dict:
+        check_state_dict(scaler)  # (a scaler with its own load_state_dict is put back if that raises)
+    if mp.masters is not None and "masters" in state:
+        mp.masters.check_state_dict(state["masters"])
+    if mp.fp8 is not None or state.get("fp8"):
+        from mixprec.fp8.state import check_fp8_state  # a capability: imported when the state has fp8 parts
+
+        check_fp8_state(mp, state.get("fp8"), state.get("recipe"))
+    return int(steps)
 
 
 def _check_schedulers(scheduler: Any) -> None:

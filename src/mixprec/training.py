@@ -40,11 +40,11 @@ from mixprec.step_io import (
     Optimizers,
     StepStats,
     _as_optimizers,
+    check_loadable,
     check_loss,
     clip_or_measure,
     check_model_params,
     _check_max_grad_norm,
-    _check_mp_state,
     _check_nan_guard,
     _check_schedulers,
     describe,
@@ -443,21 +443,31 @@ class MixedPrecision:
         return state
 
     def load_state_dict(self, state: dict[str, Any], strict: bool = True) -> None:
-        """Restore from ``state_dict()``. With ``strict``, the recipe must be the same."""
-        _check_mp_state(state)
-        if strict and state.get("recipe") != self.recipe.name:
-            raise ValueError(
-                f"checkpoint was saved with recipe {state.get('recipe')!r}, this MixedPrecision uses "
-                f"{self.recipe.name!r}; pass strict=False to load the scaler state anyway"
-            )
-        if state.get("scaler"):
-            self.scaler.load_state_dict(state["scaler"])
-        if self.masters is not None and "masters" in state:
-            self.masters.load_state_dict(state["masters"])
-        if self.fp8 is not None or state.get("fp8"):
-            from mixprec.fp8.state import load_fp8_state  # (refuses fp8 state before prepare)
-            load_fp8_state(self, state.get("fp8"), state.get("recipe"))
-        self._steps = int(state.get("steps", 0))
+        """Restore from ``state_dict()``. With ``strict``, the recipe must be the same.
+
+        Every part (recipe, scaler, masters, fp8 state, steps) is checked before any is applied, so a
+        state that is refused (another model's, a damaged or edited one) leaves this object, the model
+        and the scaler as they were; a part that still fails while applied (a custom scaler's own load)
+        puts back the parts applied before it.
+        """
+        steps = check_loadable(self, state, strict)
+        scaler_before = self.scaler.state_dict()
+        fp8_before = self.fp8.state_dict() if self.fp8 is not None else None
+        try:  # the masters last: they are the one part too large to copy aside, and checked already
+            if state.get("scaler"):
+                self.scaler.load_state_dict(state["scaler"])
+            if self.fp8 is not None or state.get("fp8"):
+                from mixprec.fp8.state import load_fp8_state  # (refuses fp8 state before prepare)
+                load_fp8_state(self, state.get("fp8"), state.get("recipe"))
+            if self.masters is not None and "masters" in state:
+                self.masters.load_state_dict(state["masters"])
+        except BaseException:
+            if scaler_before:
+                self.scaler.load_state_dict(scaler_before)
+            if fp8_before is not None:
+                self.fp8.load_state_dict(fp8_before)  # type: ignore[union-attr]
+            raise
+        self._steps = steps
         self._micro, self._loss_sum = 0, None
         if self._dist is not None:  # (every rank loads the same checkpoint: they are in step again)
             self._dist.loaded()

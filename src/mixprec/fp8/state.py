@@ -73,7 +73,18 @@ def with_options(recipe: Any, options: Any) -> Any:
 def load_fp8_state(mp: Any, state: dict[str, Any] | None, saved_recipe: Any = None) -> None:
     """``MixedPrecision.load_state_dict``'s fp8 part: refuses fp8 state that this run cannot take
     (not an fp8 recipe; not prepared yet), saying which."""
+    check_fp8_state(mp, state, saved_recipe)
+    if mp.fp8 is not None and state is not None:
+        mp.fp8.load_state_dict(state)
+
+
+def check_fp8_state(mp: Any, state: dict[str, Any] | None, saved_recipe: Any = None) -> None:
+    """``load_fp8_state``'s refusals, without writing: ``MixedPrecision.load_state_dict`` checks every part
+    of a checkpoint before it applies any."""
     fp8 = mp.fp8
+    if state is not None and not isinstance(state, dict):
+        raise ValueError(f"the checkpoint's fp8 state must be the dict mp.state_dict()['fp8'] holds, got "
+                         f"{type(state).__name__}: the checkpoint is damaged or was edited")
     if fp8 is None:
         if not (state and state.get("layers")):
             return
@@ -85,7 +96,7 @@ def load_fp8_state(mp: Any, state: dict[str, Any] | None, saved_recipe: Any = No
                              "if k != 'fp8'}, strict=False)")
         raise RuntimeError("the checkpoint holds fp8 scaling state: call mp.prepare(model) before mp.load_state_dict")
     if state is not None:
-        fp8.load_state_dict(state)
+        fp8.check_state_dict(state)
 
 
 def check_layer_state(name: str, entry: Any, m: Any) -> None:
@@ -197,8 +208,11 @@ class Fp8Training:
                   for n, m in self.layers} if self.delayed else {}
         return {"scaling": self.spec.scaling, "layers": layers}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Load ``state_dict()``'s output; everything is checked before any layer's state changes."""
+    def check_state_dict(self, state: Any) -> None:
+        """Raise ValueError when ``state`` cannot be loaded; writes nothing (``load_state_dict`` runs it first)."""
+        if not isinstance(state, dict) or not isinstance(state.get("layers", {}), dict):
+            raise ValueError(f"the checkpoint's fp8 state must be the dict mp.state_dict()['fp8'] holds ({{'scaling', "
+                             f"'layers'}}), got {type(state).__name__}: the checkpoint is damaged or was edited")
         if state.get("scaling") != self.spec.scaling:
             raise ValueError(f"the checkpoint's fp8 state is for {state.get('scaling')!r} scaling, this recipe "
                              f"uses {self.spec.scaling!r}")
@@ -209,7 +223,12 @@ class Fp8Training:
                              "prepare the same model with the same fp8 options before loading")
         for name, entry in saved.items():
             check_layer_state(name, entry, ours[name])
-        for name, entry in saved.items():
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load ``state_dict()``'s output; everything is checked before any layer's state changes."""
+        self.check_state_dict(state)
+        ours = dict(self.layers) if self.delayed else {}
+        for name, entry in state.get("layers", {}).items():
             ours[name].fp8_amax_history.copy_(entry["amax_history"])
             ours[name].fp8_scale.copy_(entry["scale"])
 

@@ -69,7 +69,7 @@ from mixprec.masters.buckets import (
     _Workspace,
 )
 from mixprec.masters.gradients import _GradFolding
-from mixprec.masters.guard import built_over_16bit, check_slot_state, install_guard, unfrozen_after_prepare
+from mixprec.masters.guard import built_over_16bit, check_masters_state, install_guard, unfrozen_after_prepare
 from mixprec.masters.kernels import KernelSet
 from mixprec.masters.rules import ParamRule, fp32_param_names
 
@@ -458,24 +458,14 @@ class MasterWeights(_GradFolding):
             "params": {s.name: self._slot_state(s) for s in self.slots},
         }
 
+    def check_state_dict(self, state: Any) -> None:
+        """Raise ValueError when ``state`` cannot be loaded; writes nothing (``load_state_dict`` runs it first)."""
+        check_masters_state(self, state)
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore from ``state_dict()``; also writes the model's 16-bit parameters."""
-        if state.get("kind") != self.kind or state.get("storage") != get_format(self.storage_dtype).name:
-            raise ValueError(
-                f"master-weight state was saved by strategy {state.get('kind')!r} storing "
-                f"{state.get('storage')!r}; this recipe uses {self.kind!r} storing "
-                f"{get_format(self.storage_dtype).name!r}"
-            )
+        self.check_state_dict(state)  # every entry checked before any is loaded: a refused state changes nothing
         saved = state["params"]
-        names = {s.name for s in self.slots}
-        if set(saved) != names:
-            missing, unexpected = sorted(names - set(saved)), sorted(set(saved) - names)
-            raise ValueError(
-                f"master-weight state does not match the model: missing {missing[:5]}, unexpected "
-                f"{unexpected[:5]} (was it saved with another model or another fp32_params rule?)"
-            )
-        for s in self.slots:  # every entry checked before any is loaded: a refused state changes nothing
-            check_slot_state(s.name, saved[s.name], self._slot_state(s))
         with torch.no_grad():
             for s in self.slots:
                 self._load_slot_state(s, saved[s.name])

@@ -7,8 +7,9 @@ parameters, ``"proxy"`` on their fp32 masters, ``"frozen"`` on parameters frozen
 parameter (it would train 16-bit weights without masters), and an optimizer holding masters
 stepped outside ``mp.step`` (their gradients and values exist only inside it).
 
-Also the checks of a master-weight state before it is loaded (``check_slot_state``): a state that
-does not fit is refused, naming the parameter, before anything is written.
+Also the checks of a master-weight state before it is loaded (``check_masters_state``,
+``check_slot_state``): a state that does not fit is refused, naming the parameter, before anything is
+written, so ``MixedPrecision.load_state_dict`` can check every part of a checkpoint before it applies any.
 """
 
 from __future__ import annotations
@@ -99,3 +100,27 @@ def check_slot_state(name: str, saved: Any, mine: dict[str, torch.Tensor]) -> No
             raise ValueError(f"master-weight state does not fit parameter {name!r}: checkpoint {found}, model "
                              f"{shape(want)} ({key}). The checkpoint was saved from a model of another shape: "
                              "build the model it was saved from, or start this one without it")
+
+
+def check_masters_state(masters: Any, state: Any) -> None:
+    """Everything ``masters.load_state_dict(state)`` needs, checked without writing: the strategy and
+    storage, the parameter names, each parameter's tensors and shapes."""
+    if not isinstance(state, dict) or not isinstance(state.get("params"), dict):
+        got = sorted(map(str, state))[:6] if isinstance(state, dict) else type(state).__name__
+        raise ValueError(f"master-weight state must be the dict mp.state_dict()['masters'] holds ({{'kind', 'storage', "
+                         f"'params'}}), got {got}: the checkpoint is damaged or was edited; save it again with mp.state_dict()")
+    storage = get_format(masters.storage_dtype).name
+    if state.get("kind") != masters.kind or state.get("storage") != storage:
+        raise ValueError(
+            f"master-weight state was saved by strategy {state.get('kind')!r} storing "
+            f"{state.get('storage')!r}; this recipe uses {masters.kind!r} storing {storage!r}"
+        )
+    saved, names = state["params"], {s.name for s in masters.slots}
+    if set(saved) != names:
+        missing, unexpected = sorted(names - set(saved)), sorted(set(saved) - names)
+        raise ValueError(
+            f"master-weight state does not match the model: missing {missing[:5]}, unexpected "
+            f"{unexpected[:5]} (was it saved with another model or another fp32_params rule?)"
+        )
+    for s in masters.slots:
+        check_slot_state(s.name, saved[s.name], masters._slot_state(s))

@@ -171,8 +171,22 @@ class StochasticRoundingMasters(MasterWeights):
         state["generators"] = {k: g.get_state() for k, g in self.generators.items()}
         return state
 
+    def check_state_dict(self, state: Any) -> None:
+        super().check_state_dict(state)
+        gens = state.get("generators", {})
+        if not isinstance(gens, dict):
+            raise ValueError(f"master-weight state's 'generators' must be a dict of device -> generator state, got "
+                             f"{type(gens).__name__}: the checkpoint is damaged or was edited")
+        for key, gen_state in gens.items():
+            try:  # on a scratch generator: what set_state would refuse, refused before anything is written
+                torch.Generator(device=torch.device(key)).set_state(gen_state)
+            except (RuntimeError, TypeError, ValueError) as e:
+                raise ValueError(f"master-weight state's random generator for device {key!r} cannot be restored "
+                                 f"({str(e).splitlines()[0] if str(e) else type(e).__name__}): the checkpoint is "
+                                 "damaged or was saved on another kind of device") from None
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
+        super().load_state_dict(state)  # (checks the generators too, before writing anything)
         for key, gen_state in state.get("generators", {}).items():
             self._generator(torch.device(key)).set_state(gen_state)
 
