@@ -1,10 +1,13 @@
 """What every framework integration needs: the version check, optimizers moved onto the fp32
-masters, and lr schedulers that do not advance on a skipped step."""
+masters, lr schedulers that do not advance on a skipped step, and mixprec's own checkpoint file
+written atomically and read back without unpickling code."""
 
 from __future__ import annotations
 
+import os
 import re
 import sys
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -113,3 +116,46 @@ class SkipAwareScheduler:
 
     def __repr__(self) -> str:
         return f"SkipAwareScheduler({self.scheduler!r})"
+
+
+def save_atomically(obj: Any, path: str) -> None:
+    """``torch.save(obj, path)`` written aside (a temporary name in the same directory), flushed to disk,
+    then renamed over ``path``: a crash, a full disk or a Ctrl-C mid-write leaves the old file (or none),
+    never a torn one that a resume would trip over."""
+    folder, name = os.path.split(os.path.abspath(path))
+    tmp = os.path.join(folder, f".{name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    try:  # the rename made durable (a no-op where directories cannot be opened)
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+def load_state_file(path: str, device: Any, what: str) -> Any:
+    """``torch.load(path, weights_only=True)``: tensors and plain data only, never code (a crafted file
+    cannot run anything). A file that cannot be read so is refused naming it, as damaged, with what to do."""
+    try:
+        return torch.load(path, map_location=device, weights_only=True)
+    except Exception as e:  # (torch/pickle raise RuntimeError, UnpicklingError, EOFError... for a damaged file)
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        why = ("it holds more than tensors and plain data, which mixprec never unpickles"
+               if "Weights only load failed" in str(e) else f"{type(e).__name__}: {first}")
+        raise RuntimeError(
+            f"{path} is damaged and cannot be loaded ({why}); {what}. Resume from an earlier checkpoint, or "
+            "delete this checkpoint directory and resume from the one before it."
+        ) from None

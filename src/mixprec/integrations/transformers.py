@@ -49,7 +49,8 @@ except ImportError as e:  # the extra is not installed
     raise ImportError(f"mixprec.integrations.transformers needs transformers and accelerate ({e}): "
                       "pip install \"mixprec[transformers]\"") from e
 
-from mixprec.integrations._common import SkipAwareScheduler, check_version, rebind_to_masters
+from mixprec.integrations._common import (SkipAwareScheduler, check_version, load_state_file, rebind_to_masters,
+                                          save_atomically)
 from mixprec.integrations.records import StepWindow
 from mixprec.recipes import Recipe
 from mixprec.training import MixedPrecision, StepStats
@@ -138,7 +139,7 @@ class _MixprecCheckpoints(TrainerCallback):
     def on_save(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
         folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
         if os.path.isdir(folder) and state.is_world_process_zero:
-            torch.save(self.owner.mp.state_dict(), os.path.join(folder, STATE_FILE))
+            save_atomically(self.owner.mp.state_dict(), os.path.join(folder, STATE_FILE))
 
     def on_train_begin(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
         folder, self.owner._mixprec_resume = self.owner._mixprec_resume, None
@@ -151,7 +152,9 @@ class _MixprecCheckpoints(TrainerCallback):
                 f"the loss scaler's state (and the fp32 masters of recipe {self.owner.mp.recipe.name!r}) "
                 "cannot be restored. Resume from a checkpoint a MixprecTrainer saved, or start afresh."
             )
-        self.owner.mp.load_state_dict(torch.load(path, map_location=self.owner.mp.device, weights_only=False))
+        what = (f"it holds the loss scaler's state (and the fp32 masters of recipe {self.owner.mp.recipe.name!r}) "
+                f"that MixprecTrainer saved beside the checkpoint")
+        self.owner.mp.load_state_dict(load_state_file(path, self.owner.mp.device, what))
 
 
 class MixprecTrainerMixin:
