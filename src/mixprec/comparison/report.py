@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import io
 import json
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from mixprec.comparison.publish import publish_files
 from mixprec.comparison.verdict import ema
 from mixprec.instruments.machine import describe
 from mixprec.report.outdir import check_writable_dir
@@ -162,8 +164,12 @@ def _threads(data: dict[str, Any]) -> str:
 
 
 def write_report(result: Any, out: str | Path) -> dict[str, str]:
-    """Write the four files into ``out`` (created if missing); return name -> path."""
-    from mixprec.report import save_png
+    """Write the four files into ``out`` (created if missing) as one set; return name -> path.
+
+    Every file is rendered and written aside first, then renamed into place with the JSON last
+    (``mixprec.comparison.publish``): an interrupted or failing write leaves the earlier report whole.
+    """
+    from mixprec.report import figure_to_png
     from mixprec.report.compare_plots import comparison_figure
 
     path = check_out_dir(out)
@@ -171,24 +177,24 @@ def write_report(result: Any, out: str | Path) -> dict[str, str]:
     files = {key: str(path / name) for key, name in FILES.items()}
     result = dataclasses.replace(result, files=files)  # the JSON lists the files; the caller's object is untouched
     span = result.rule.resolve(result.steps).span
-    png = save_png(comparison_figure(result, lambda x: ema(x, span), f"EMA span {span}"), files["png"])
-    Path(files["json"]).write_text(result.to_json(), encoding="utf-8")
-    _write_csv(result, files["csv"])
-    _write_html(result, png, files["html"])
+    png = figure_to_png(comparison_figure(result, lambda x: ema(x, span), f"EMA span {span}"))
+    publish_files(path, {FILES["png"]: png, FILES["csv"]: _csv_text(result), FILES["html"]: _html_page(result, png),
+                         FILES["json"]: result.to_json()}, last=FILES["json"])
     return files
 
 
-def _write_csv(result: Any, path: str) -> None:
-    with open(path, "w", newline="", encoding="utf-8") as f:
-        w = csv.writer(f)
-        w.writerow(["run", "recipe", "seed", "role", "step", "loss", "grad_norm", "scale", "skipped", "step_time_s"])
-        for r in result.runs:
-            for i in range(r.steps):
-                w.writerow([r.label, r.recipe, r.seed, r.role, i + 1, repr(float(r.loss[i])), repr(float(r.grad_norm[i])),
-                            repr(float(r.scale[i])), int(bool(r.skipped[i])), repr(float(r.step_time_s[i]))])
+def _csv_text(result: Any) -> str:
+    f = io.StringIO(newline="")
+    w = csv.writer(f)
+    w.writerow(["run", "recipe", "seed", "role", "step", "loss", "grad_norm", "scale", "skipped", "step_time_s"])
+    for r in result.runs:
+        for i in range(r.steps):
+            w.writerow([r.label, r.recipe, r.seed, r.role, i + 1, repr(float(r.loss[i])), repr(float(r.grad_norm[i])),
+                        repr(float(r.scale[i])), int(bool(r.skipped[i])), repr(float(r.step_time_s[i]))])
+    return f.getvalue()
 
 
-def _write_html(result: Any, png: bytes, path: str) -> None:
+def _html_page(result: Any, png: bytes) -> str:
     from mixprec.report import HtmlReport
 
     page = HtmlReport(f"mixprec compare: {result.task}")
@@ -237,4 +243,4 @@ def _write_html(result: Any, png: bytes, path: str) -> None:
         f"wall time   {result.wall_s:.1f} s\n"
         f"data        {FILES['json']} (all curves), {FILES['csv']} (one row per run and step)"
     )
-    page.write(path)
+    return page.render()

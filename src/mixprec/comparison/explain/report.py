@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from mixprec.comparison.publish import publish_files
 from mixprec.comparison.verdict import ema
 from mixprec.report.outdir import check_writable_dir
 
@@ -32,8 +33,9 @@ def _ours(path: Path) -> bool:
 
 
 def write_explanation(e: Any, out: str | Path) -> dict[str, str]:
-    """Write the files (PNG only when modules were measured); returns name -> path."""
-    from mixprec.report import HtmlReport, save_png
+    """Write the files (PNG only when modules were measured) as one set, the JSON renamed into place last
+    (``mixprec.comparison.publish``: an interrupted write leaves the earlier files whole); returns name -> path."""
+    from mixprec.report import HtmlReport, figure_to_png
 
     path = check_explain_dir(out)
     path.mkdir(parents=True, exist_ok=True)
@@ -43,11 +45,10 @@ def write_explanation(e: Any, out: str | Path) -> dict[str, str]:
         from mixprec.report.explain_plots import explanation_figure
 
         span = e.comparison.band.rule.span
-        png = save_png(explanation_figure(e, lambda x: ema(x, span), f"EMA span {span}"), files["png"])
+        png = figure_to_png(explanation_figure(e, lambda x: ema(x, span), f"EMA span {span}"))
     else:
         files.pop("png")
     e.files = dict(files)
-    Path(files["json"]).write_text(e.to_json(), encoding="utf-8")
     page = HtmlReport(f"mixprec compare --explain: {e.recipe} on {e.task}")
     page.paragraph(f"{e.status}: {e.summary}", css_class="bad" if e.alarming else "ok")
     if e.fix is not None:
@@ -88,7 +89,10 @@ def write_explanation(e: Any, out: str | Path) -> dict[str, str]:
     page.heading("Cost")
     page.paragraph(f"{e.runs} training runs ({e.steps_trained} steps), {e.search_runs} of them for the island search "
                    f"over {e.module_count} modules; {e.wall_s:.1f} s with --jobs {e.jobs}.")
-    page.write(files["html"])
+    contents: dict[str, bytes | str] = {FILES["html"]: page.render(), FILES["json"]: e.to_json()}
+    if png is not None:
+        contents[FILES["png"]] = png
+    publish_files(path, contents, last=FILES["json"])
     return files
 
 
