@@ -76,6 +76,46 @@ def _all_gather(obj: Any) -> list[Any]:
     return out
 
 
+def _peer_gone(rank: int, from_rank0: bool = True) -> str:
+    """Who stopped, as a rank can tell when a collective fails: in rank 0's broadcast, rank 0 (on the others);
+    otherwise another rank (named when there is only one other)."""
+    if rank != 0 and from_rank0:
+        return "rank 0 stopped before saying it was done"
+    _, world = _rank_world()
+    others = [r for r in range(world) if r != rank]
+    who = f"rank {others[0]}" if len(others) == 1 else "one of the other ranks"
+    return (f"another rank ({who}) stopped before taking part: it died, or raised before this collective (its own "
+            "error says why)")
+
+
+def _state_on_every_rank(root: Path, model: nn.Module, opts: Sequence[torch.optim.Optimizer], mp: Any,
+                         scheduler: Any) -> dict[str, Any]:
+    """``_state`` on every rank, agreed: if it raised on one rank (before any collective of the save), every
+    rank raises the same ``CheckpointError`` naming it, at once, instead of that rank raising alone and the
+    others waiting in the first collective until the timeout. A ``DesyncError`` (a rank whose collectives
+    would pair wrongly) is raised as it is: such a rank starts no collective."""
+    from mixprec.distributed.alignment import DesyncError
+
+    state, problem, cause = None, None, None
+    try:
+        state = _state(model, opts, mp, scheduler)
+    except DesyncError:
+        raise
+    except Exception as e:  # (inside an accumulation window, a state_dict that raised...)
+        problem, cause = f"{type(e).__name__}: {_first_line(e)}", e
+    try:
+        found = [(r, p) for r, p in enumerate(_all_gather(problem)) if p]
+    except RuntimeError as e:  # a peer died, or raised before the save (a DesyncError) and starts no collective
+        rank, _ = _rank_world()
+        raise CheckpointError(f"saving into {root}: {_peer_gone(rank, from_rank0=False)} ({_first_line(e)}). "
+                              f"Nothing was written: {root}/latest still names the previous checkpoint") from cause
+    if found:
+        said = found[0][1] if len(found) == 1 and _no_dist() else "; ".join(f"rank {r}: {p}" for r, p in found)
+        raise CheckpointError(f"saving into {root} failed before anything was written ({said}). Nothing was "
+                              f"written: {root}/latest still names the previous checkpoint") from cause
+    return state  # type: ignore[return-value]
+
+
 def _agreed(fn: Callable[..., Any], *args: Any) -> Any:
     """``fn(*args)`` on every rank; if it raised on any rank, every rank raises the same
     ``CheckpointError`` (a collective: no rank goes on while another stopped)."""
@@ -111,10 +151,10 @@ def _on_rank0(fn: Callable[[], Any], doing: str) -> Any:
     if not _no_dist():
         try:
             dist.broadcast_object_list(result, src=0)
-        except RuntimeError as e:  # rank 0 stopped (killed?) while it was at it
-            raise CheckpointError(f"{doing}: rank 0 stopped before saying it was done ({_first_line(e)}). What "
-                                  "is on disk is either the previous checkpoint or this one, whole: load_checkpoint "
-                                  "loads the complete one that 'latest' names") from None
+        except RuntimeError as e:  # a peer stopped (killed? raised before this collective?)
+            raise CheckpointError(f"{doing}: {_peer_gone(rank)} ({_first_line(e)}). What is on disk is either the "
+                                  "previous checkpoint or this one, whole: load_checkpoint loads the complete one "
+                                  "that 'latest' names") from None
     kind, value = result[0]
     if kind == "error":
         if error is not None and not isinstance(error, (CheckpointError, OSError)):
@@ -266,8 +306,8 @@ def save_checkpoint(path: str | Path, *, model: nn.Module, optimizer: Any, mp: A
     opts = _opts(optimizer)
     if mp._dist is not None:  # replicas that went apart (a DesyncError) would be saved as a mix: refused on every rank
         mp._dist.require_consistent()
-    state = _state(model, opts, mp, scheduler)  # (raises inside an accumulation window, on every rank alike)
     root, (rank, world) = Path(path), _rank_world()
+    state = _state_on_every_rank(root, model, opts, mp, scheduler)  # (raises inside an accumulation window)
     save_id = _on_rank0(lambda: layout.begin(root), f"preparing {root}")
     tmp = root / f"{layout.TMP}{save_id}"
     layout._fault_point("save:begin")

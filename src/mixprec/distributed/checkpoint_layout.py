@@ -258,10 +258,38 @@ def read_marker(directory: Path) -> dict[str, Any]:
                               "cannot be verified. Load an earlier one") from e
     if not isinstance(marker, dict) or marker.get("format") != "mixprec-checkpoint":
         raise CheckpointError(f"{directory}: {MARKER} is not a mixprec checkpoint marker")
-    if int(marker.get("layout", 0)) > LAYOUT:
+    wrong = _marker_schema(marker)
+    if wrong:
+        raise CheckpointError(f"{directory}: its completion marker {MARKER} is malformed ({wrong}): it was edited or "
+                              "damaged, so the checkpoint cannot be verified. Load an earlier one, or restore the "
+                              "marker save_checkpoint wrote")
+    if marker.get("layout", 0) > LAYOUT:
         raise CheckpointError(f"{directory} was written by a newer mixprec ({marker.get('mixprec')}, layout "
                               f"{marker.get('layout')}; this one reads layout {LAYOUT}): upgrade mixprec to load it")
     return marker
+
+
+def _marker_schema(marker: dict[str, Any]) -> str:
+    """What in a marker is not of the shape ``write_marker`` gives it ('' when all is): checked before any
+    field is used, so an edited marker is a CheckpointError saying so, not an AttributeError from inside."""
+    def integer(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+    for key in ("layout", "step", "world_size"):
+        if key in marker and not integer(marker[key]):
+            return f"{key!r} must be an integer >= 0, got {marker[key]!r}"[:200]
+    if "time" in marker and (isinstance(marker["time"], bool) or not isinstance(marker["time"], (int, float))):
+        return f"'time' must be a number, got {marker['time']!r}"[:200]
+    for key in ("save_id", "recipe", "mode", "optimizer"):
+        if key in marker and not isinstance(marker[key], str):
+            return f"{key!r} must be a string, got {type(marker[key]).__name__}"
+    files = marker.get("files", {})
+    if not isinstance(files, dict):
+        return f"'files' must map each file's name to its size and CRC-32, got a {type(files).__name__}"
+    for name, entry in files.items():
+        if not (isinstance(entry, dict) and integer(entry.get("bytes")) and isinstance(entry.get("crc32"), str)):
+            return f"the entry of file {name!r} must be {{'bytes': n, 'crc32': '8 hex digits'}}, got {entry!r}"[:200]
+    return ""
 
 
 def resolve(path: Path) -> Path:
