@@ -133,6 +133,16 @@ def test_cli_doctor_exits_2_with_one_line_when_the_task_code_raises(tmp_path, mo
     assert err.startswith("error: SyntaxError") and "Traceback" not in err
 
 
+def test_a_task_of_the_wrong_type_points_at_doctors_help_not_compares(tmp_path, monkeypatch, capsys):
+    """Found by a probe: mixprec.tasks' message said "see 'mixprec compare --help'" under doctor too."""
+    (tmp_path / "doctor_wrong_type_task.py").write_text("def make(**kw):\n    return 42\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["doctor", "--task", "doctor_wrong_type_task:make", "--out", ""]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "returned int, expected mixprec.tasks.Task" in err and "see 'mixprec doctor --help'" in err
+    assert "compare --help" not in err
+
+
 def test_doctor_is_exported_and_the_cli_module_loads_without_torch():
     import subprocess
     import sys

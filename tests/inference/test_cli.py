@@ -93,7 +93,8 @@ def test_a_file_that_is_not_a_torch_save_is_not_called_a_pickled_model(tmp_path,
     path.write_bytes(content)
     assert main(["infer-check", *SMALL, "--weights", str(path)]) == 2
     err = capsys.readouterr().err
-    assert "cannot be read as a torch.save file of tensors" in err
+    torn = content.startswith(b"PK")  # (a torn save is torch.save's zip, damaged; garbage is not its format at all)
+    assert ("cannot be read as a torch.save file of tensors" if torn else "is not a torch.save file") in err
     assert "pickled Python objects" not in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
@@ -110,3 +111,32 @@ def test_help_has_examples_and_the_gates(capsys):
         main(["infer-check", "--help"])
     out = capsys.readouterr().out
     assert "mixprec infer-check --task charlm --dtype fp16" in out and "SQNR >= 30 dB" in out and "exit status" in out
+
+
+# Found by a probe: a text file said "KeyError: 101", an empty one "EOFError: " (nothing), and another
+# model's state_dict only the first line of torch's missing/unexpected keys.
+@pytest.mark.parametrize("content, message", [
+    (b"hello\n", "is not a torch.save file (it starts with b'hello\\n'; torch.save writes a zip archive)"),
+    (b"", "is an empty file (0 bytes), not a torch.save file"),
+])
+def test_a_text_or_empty_file_is_named_for_what_it_is(tmp_path, capsys, content, message):
+    path = tmp_path / "w.pt"
+    path.write_bytes(content)
+    assert main(["infer-check", *SMALL, "--weights", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "KeyError" not in err and "EOFError" not in err and "Traceback" not in err
+
+
+def test_another_models_state_dict_lists_missing_unexpected_keys_and_shapes(tmp_path, capsys):
+    from mixprec.tasks import charlm
+
+    model = charlm.make_task(d_model=16, n_layer=1, n_head=2, seq_len=8).build_model()
+    state = {k: v for k, v in model.state_dict().items() if not k.startswith("head")}  # some keys missing
+    state["tok.weight"] = torch.zeros(5, 16)  # one of another shape
+    state["extra.weight"] = torch.zeros(2)  # one unexpected
+    path = tmp_path / "w.pt"
+    torch.save(state, path)
+    assert main(["infer-check", *SMALL, "--weights", str(path)]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "missing (head" in err and "1 unexpected (extra.weight)" in err
+    assert "1 of another shape (tok.weight (5, 16) in the file," in err

@@ -58,6 +58,8 @@ def run(args: argparse.Namespace) -> int:
         report = doctor(args.task, args.recipe, args.device, steps=args.steps, seed=args.seed, progress=progress)
     except (TaskError, ValueError, RuntimeError, FileExistsError, PermissionError) as e:
         message, cause = str(e), e.__cause__
+        # mixprec.tasks' messages point at compare's help, which compare shares; here doctor's says the same
+        message = message.replace("'mixprec compare --help'", "'mixprec doctor --help'")
         if isinstance(e, TaskError) and cause is not None and cause.__traceback__ is not None:  # the factory's own code
             frame = traceback.extract_tb(cause.__traceback__)[-1]
             message += f" (raised at {frame.filename}:{frame.lineno} in {frame.name})"

@@ -191,7 +191,10 @@ def _load_weights(model: Any, path: str) -> None:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise _Fail(f"--weights {path!r}: no such file") from None
+    except IsADirectoryError:
+        raise _Fail(f"--weights {path!r} is a directory; pass the file torch.save(model.state_dict(), path) wrote") from None
     except Exception as e:
+        _not_torch_save(path)  # an empty file, or not torch.save's format at all: said plainly
         text = re.sub(r"\x1b\[[0-9;]*m", "", str(e))  # (no terminal escapes)
         if "Weights only load failed" in text and "Unsupported global" in text:  # most often torch.save(model)
             raise _Fail(f"--weights {path!r} holds pickled Python objects (a whole model saved with "
@@ -200,16 +203,52 @@ def _load_weights(model: Any, path: str) -> None:
         detail = re.search(r"WeightsUnpickler error:\s*(\S[^\n]*)", text)  # not a pickle at all, or a torn one
         first = detail.group(1) if detail else (text.splitlines()[0] if text else "")
         raise _Fail(f"--weights {path!r} cannot be read as a torch.save file of tensors: {type(e).__name__}: "
-                    f"{first}") from None
+                    f"{first} (the file is damaged, a truncated copy or an interrupted save?); save it again") from None
     if isinstance(state, dict) and "model" in state and isinstance(state["model"], dict):
         state = state["model"]  # a checkpoint {"model": state_dict, "optimizer": ...}
     if not isinstance(state, dict):
         raise _Fail(f"--weights {path!r} holds a {type(state).__name__}, not a state_dict (save model.state_dict())")
+    misfit = _misfit(model.state_dict(), state)
+    if misfit:
+        raise _Fail(f"--weights {path!r} does not fit the task's model: {misfit}. The task's model must be built "
+                    "with the same shapes (see --task-arg), or pass the state_dict of this task's model")
     try:
         model.load_state_dict(state)
     except RuntimeError as e:
-        raise _Fail(f"--weights {path!r} does not fit the task's model: {str(e).splitlines()[0]} "
+        raise _Fail(f"--weights {path!r} does not fit the task's model: {' '.join(str(e).split())[:600]} "
                     "(the task's model must be built with the same shapes; see --task-arg)") from None
+
+
+def _not_torch_save(path: str) -> None:
+    """Refuse, saying so plainly, a file torch.load failed on that is empty or not torch.save's format at all
+    (torch says "EOFError: " with nothing, or "KeyError: 101" for a text file)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+    except OSError:
+        return
+    if not head:
+        raise _Fail(f"--weights {path!r} is an empty file (0 bytes), not a torch.save file: an interrupted save or "
+                    "copy? Save the weights again with torch.save(model.state_dict(), path)")
+    if not head.startswith((b"PK\x03\x04", b"\x80")):  # torch.save's zip archive, or its legacy pickle format
+        raise _Fail(f"--weights {path!r} is not a torch.save file (it starts with {head!r}; torch.save writes a zip "
+                    "archive). Pass the file torch.save(model.state_dict(), path) wrote")
+
+
+def _misfit(mine: dict[str, Any], theirs: dict[str, Any], shown: int = 5) -> str:
+    """The keys the model has that ``theirs`` lacks, the ones it has that the model does not, and the shapes
+    that differ, a few of each with counts: '' when the state dict fits."""
+    def few(items: list[str]) -> str:
+        return ", ".join(items[:shown]) + (f" and {len(items) - shown} more" if len(items) > shown else "")
+
+    missing = [k for k in mine if k not in theirs]
+    unexpected = [k for k in theirs if k not in mine]
+    shapes = [f"{k} {tuple(theirs[k].shape)} in the file, {tuple(v.shape)} in the model" for k, v in mine.items()
+              if k in theirs and hasattr(theirs[k], "shape") and hasattr(v, "shape") and theirs[k].shape != v.shape]
+    parts = [f"{len(missing)} missing ({few(missing)})" if missing else "",
+             f"{len(unexpected)} unexpected ({few(unexpected)})" if unexpected else "",
+             f"{len(shapes)} of another shape ({few(shapes)})" if shapes else ""]
+    return "; ".join(p for p in parts if p)
 
 
 def _train(task: Any, model: Any, steps: int, device: Any) -> None:
