@@ -84,3 +84,55 @@ def test_tiny_overhead_run_exits_0_and_writes_json(tmp_path, capsys):
     doc = json.loads(path.read_text())
     assert doc["kind"] == "mixprec-overhead" and doc["runs"][0]["status"] == "ok"
     assert "mixprec / hand" in capsys.readouterr().out
+
+
+TINY = ["bench", "--shape", "tiny", "--device", "cpu", "--reps", "1", "--warmup", "0", "--recipes", "fp32",
+        "--no-peak", "--no-memory"]
+
+
+@pytest.mark.parametrize("fault", ["disk-full", "ctrl-c"])
+def test_a_json_write_that_fails_part_way_leaves_the_earlier_file_whole(tmp_path, monkeypatch, fault):
+    """--json is written aside and renamed in: a full disk mid-write (was: the earlier results truncated
+    to half a JSON document) or a Ctrl-C at the rename leaves the earlier file as it was, and no temporary."""
+    import builtins
+
+    path = tmp_path / "bench.json"
+    path.write_text('{"an": "earlier run"}')
+    real_open, real_replace = builtins.open, os.replace
+
+    class HalfWritten:  # the file takes the first bytes, then the disk is full
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def write(self, data):
+            self.f.write(data[: len(data) // 2])
+            raise OSError(28, "No space left on device")
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+    def opening(file, mode="r", *a, **k):
+        f = real_open(file, mode, *a, **k)
+        return HalfWritten(f) if "bench.json" in str(file) and ("w" in mode or "x" in mode) else f
+
+    def interrupted(src, dst):
+        raise KeyboardInterrupt
+
+    if fault == "disk-full":
+        monkeypatch.setattr(builtins, "open", opening)
+        with pytest.raises(OSError, match="No space left"):
+            main([*TINY, "--json", str(path)])
+    else:
+        monkeypatch.setattr(os, "replace", interrupted)
+        assert main([*TINY, "--json", str(path)]) == 130  # the CLI's word for a Ctrl-C
+    monkeypatch.undo()
+    assert path.read_text() == '{"an": "earlier run"}'
+    assert os.listdir(tmp_path) == ["bench.json"]
+    assert main([*TINY, "--json", str(path)]) == 0  # and a run that completes replaces it
+    assert json.loads(path.read_text())["results"][0]["label"] == "fp32" and os.listdir(tmp_path) == ["bench.json"]

@@ -14,7 +14,7 @@ import os
 
 import pytest
 
-from mixprec.comparison.publish import publish_files
+from mixprec.report.publish import publish_files
 from mixprec.comparison.report import FILES, write_report
 
 

@@ -124,3 +124,33 @@ def test_save_pretrained_refuses_what_it_cannot_export(tmp_path):
     with pytest.raises(ValueError, match="call model = mp.prepare"):
         MixedPrecision("bf16-mixed", "cpu").save_pretrained(build("gpt2"), tmp_path / "y")
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+@pytest.mark.parametrize("at", [1, 2, 3, 4, 5])
+def test_a_ctrl_c_while_publishing_leaves_the_earlier_save_whole(tmp_path, monkeypatch, at):
+    """Was: the files moved in one by one, so a Ctrl-C after the weights left them under the old config
+    (and an earlier save's shards and index beside a new single file). Now the old save whole, or the new."""
+    mp0, model0, _ = trained("resnet", "bf16-true", steps=1)
+    mp, model, _ = trained("resnet", "bf16-true", steps=2)  # a model that differs
+    folder = tmp_path / "out"
+    mp0.save_pretrained(model0, folder)
+    (folder / "model-00001-of-00002.safetensors").write_bytes(b"an earlier sharded save")  # goes with the old set
+    old = {n: (folder / n).read_bytes() for n in os.listdir(folder)}
+    real_replace, calls = os.replace, []
+
+    def interrupted(src, dst):  # the at-th rename out of or into the folder
+        if str(folder) in (os.path.dirname(os.fspath(src)), os.path.dirname(os.fspath(dst))):
+            calls.append(dst)
+            if len(calls) == at:
+                raise KeyboardInterrupt
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        mp.save_pretrained(model, folder)
+    monkeypatch.undo()
+    assert {n: (folder / n).read_bytes() for n in os.listdir(folder)} == old
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".out.mixprec-")]
+    mp.save_pretrained(model, folder)  # and a save that completes replaces it all
+    assert sorted(os.listdir(folder)) == ["config.json", "model.safetensors"]
+    assert (folder / "model.safetensors").read_bytes() != old["model.safetensors"]

@@ -162,10 +162,20 @@ def run(args: argparse.Namespace) -> int:
     if args.markdown:
         print(tables.markdown_table(headers, rows))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=1)
+        write_file(args.json, json.dumps(doc, indent=1))
         console.print(f"wrote {args.json}")
     for line in tables.errors_of(doc):
         console.print(f"error: {line}", style="red", highlight=False)
     errors = [r for r in doc.get("results", doc.get("runs", [])) if r["status"] == "error"]
     return 1 if errors else 0
+
+
+
+def write_file(path: str, text: str) -> None:
+    """``text`` written aside and renamed over ``path`` (``mixprec.report.publish``): a Ctrl-C, a full disk or
+    a write error part-way leaves the earlier file whole (or none), never a torn one."""
+    from pathlib import Path
+
+    from mixprec.report.publish import publish_file
+
+    publish_file(Path(path), text)

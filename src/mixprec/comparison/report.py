@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from mixprec.comparison.publish import publish_files
+from mixprec.report.publish import publish_files
 from mixprec.comparison.verdict import ema
 from mixprec.instruments.machine import describe
 from mixprec.report.outdir import check_writable_dir
@@ -167,7 +167,7 @@ def write_report(result: Any, out: str | Path) -> dict[str, str]:
     """Write the four files into ``out`` (created if missing) as one set; return name -> path.
 
     Every file is rendered and written aside first, then renamed into place with the JSON last
-    (``mixprec.comparison.publish``): an interrupted or failing write leaves the earlier report whole.
+    (``mixprec.report.publish``): an interrupted or failing write leaves the earlier report whole.
     """
     from mixprec.report import figure_to_png
     from mixprec.report.compare_plots import comparison_figure

@@ -203,16 +203,13 @@ def _written_by_doctor(path: Path) -> bool:
 
 
 def write_report(report: "DoctorReport", out_dir: Path) -> dict[str, Path]:
-    """``doctor.html``, ``doctor.json`` and the PNGs in ``out_dir``; returns name -> path."""
+    """``doctor.html``, ``doctor.json`` and the PNGs in ``out_dir``, published as one set (see
+    ``mixprec.report.publish``); returns name -> path."""
     from mixprec.report import HtmlReport
+    from mixprec.report.publish import publish_files
 
     check_out_dir(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    written: dict[str, Path] = {}
     figs = figures(report)
-    for name, (png, _) in figs.items():
-        (out_dir / name).write_bytes(png)
-        written[name] = out_dir / name
     page = HtmlReport(f"mixprec doctor: {report.task} under {report.recipe}")
     page.paragraph(f"{report.description} — device {report.device}, {report.seconds:.1f}s. "
                    + ("Alarming findings." if report.alarming else "Nothing alarming."),
@@ -237,7 +234,14 @@ def write_report(report: "DoctorReport", out_dir: Path) -> dict[str, Path]:
         page.paragraph(f"{f.status.upper()}: {f.summary}", _CSS[f.status])
         if f.evidence:
             page.pre("\n".join(f.evidence))
-    written["doctor.html"] = page.write(out_dir / "doctor.html")
-    (out_dir / "doctor.json").write_text(json.dumps(report.to_dict(), indent=2, default=str), encoding="utf-8")
-    written["doctor.json"] = out_dir / "doctor.json"
-    return written
+    contents = {name: png for name, (png, _) in figs.items()}
+    contents["doctor.html"] = page.render().encode("utf-8")
+    contents["doctor.json"] = json.dumps(report.to_dict(), indent=2, default=str).encode("utf-8")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # an earlier doctor's figure this run has none of would sit beside the new report as if it were its
+    # own (check_out_dir made sure that files of our names there are an earlier doctor's): it leaves too
+    stale = [n for n in FILES if n not in contents and (out_dir / n).is_file()]
+    publish_files(out_dir, contents, "doctor.json", tuple(stale))
+    return {name: out_dir / name for name in contents}
+
+

@@ -126,16 +126,45 @@ def _check_written(folder: str, state: dict[str, Any]) -> list[str]:
 
 
 def _publish(aside: str, target: str, files: list[str]) -> None:
-    """Move the written files into ``target`` one by one (each replace is atomic), the weights first
-    and config.json last; then drop weight files of an earlier save that this one did not write."""
+    """Move the written files into ``target`` as one set, config.json last: the old files of those
+    names, and weight files of an earlier save that this one did not write, are first moved into
+    ``aside`` (config.json first), the new ones renamed in (the weights first, config.json last). A
+    failure or a Ctrl-C part-way takes the new ones out and puts the old ones back, so ``target`` holds
+    the old save whole or the new one, never new shards under an old config or index; the old files
+    go with ``aside`` when the caller removes it."""
     os.makedirs(target, exist_ok=True)
     order = sorted(files, key=lambda f: (f == "config.json", f))
     for name in order:
-        os.replace(os.path.join(aside, name), os.path.join(target, name))
+        if os.path.isdir(os.path.join(target, name)):
+            raise IsADirectoryError(f"{os.path.join(target, name)} is a directory, where save_pretrained writes a "
+                                    "file; nothing was published")
     stem = {_WEIGHTS.sub("", f) for f in files if _WEIGHTS.search(f)}  # "model", or "model.<variant>"
-    for name in os.listdir(target):
-        if name not in files and _WEIGHTS.search(name) and _WEIGHTS.sub("", name) in stem:
-            os.remove(os.path.join(target, name))
+    stale = sorted(n for n in os.listdir(target)
+                   if n not in files and _WEIGHTS.search(n) and _WEIGHTS.sub("", n) in stem)
+    old = os.path.join(aside, ".mixprec-old")  # (no name save_pretrained writes)
+    os.makedirs(old)
+    moved: list[str] = []
+    placed: list[str] = []
+    try:
+        for name in [*reversed(order), *stale]:  # config.json first: no complete old save from here
+            if os.path.isfile(os.path.join(target, name)):
+                os.replace(os.path.join(target, name), os.path.join(old, name))
+                moved.append(name)
+        for name in order:
+            os.replace(os.path.join(aside, name), os.path.join(target, name))
+            placed.append(name)
+    except BaseException:  # Ctrl-C too: the old save goes back
+        for name in placed:
+            try:
+                os.remove(os.path.join(target, name))
+            except OSError:
+                pass
+        for name in moved:
+            try:
+                os.replace(os.path.join(old, name), os.path.join(target, name))
+            except OSError:
+                pass
+        raise
 
 
 # a weights file save_pretrained writes: model.safetensors, model-00001-of-00002.safetensors, the index

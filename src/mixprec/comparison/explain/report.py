@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from mixprec.comparison.publish import publish_files
+from mixprec.report.publish import publish_files
 from mixprec.comparison.verdict import ema
 from mixprec.report.outdir import check_writable_dir
 
@@ -34,7 +34,7 @@ def _ours(path: Path) -> bool:
 
 def write_explanation(e: Any, out: str | Path) -> dict[str, str]:
     """Write the files (PNG only when modules were measured) as one set, the JSON renamed into place last
-    (``mixprec.comparison.publish``: an interrupted write leaves the earlier files whole); returns name -> path."""
+    (``mixprec.report.publish``: an interrupted write leaves the earlier files whole); returns name -> path."""
     from mixprec.report import HtmlReport, figure_to_png
 
     path = check_explain_dir(out)

@@ -38,13 +38,16 @@ def _remove(paths: list[Path]) -> None:
             pass
 
 
-def publish_files(directory: Path, contents: dict[str, bytes | str], last: str) -> None:
+def publish_files(directory: Path, contents: dict[str, bytes | str], last: str, drop: tuple[str, ...] = ()) -> None:
     """Write ``contents`` (file name -> bytes or UTF-8 text) into ``directory`` as one set, ``last`` renamed
-    into place after every other file. Raises what failed; the directory then holds the old files as they were."""
+    into place after every other file; the files named in ``drop`` (an earlier report's that this one has
+    none of) leave with the old set. Raises what failed; the directory then holds the old files as they were.
+    compare, ``--explain``, doctor and bench publish through this."""
     tag = uuid.uuid4().hex[:8]
     order = [n for n in contents if n != last] + [last]
+    drop = tuple(n for n in drop if n not in contents)
     fresh = {n: directory / f".{n}.tmp-{tag}" for n in order}
-    aside = {n: directory / f".{n}.old-{tag}" for n in order}
+    aside = {n: directory / f".{n}.old-{tag}" for n in (*order, *drop)}
     for name in order:  # (a directory there is not an earlier report's file: it is not ours to replace)
         if (directory / name).is_dir():
             raise IsADirectoryError(f"{directory / name} is a directory, where the report writes a file: move it "
@@ -58,8 +61,8 @@ def publish_files(directory: Path, contents: dict[str, bytes | str], last: str) 
                 f.write(data.encode("utf-8") if isinstance(data, str) else data)
                 f.flush()
                 os.fsync(f.fileno())
-        for name in reversed(order):  # the marker first: from here a reader sees no complete old set
-            if (directory / name).exists():
+        for name in (last, *drop, *reversed(order[:-1])):  # the marker first: no complete old set from here
+            if (directory / name).is_file():
                 os.replace(directory / name, aside[name])
                 moved.append(name)
         for name in order:  # ... and the marker last: the new set is complete once it is there
@@ -75,3 +78,9 @@ def publish_files(directory: Path, contents: dict[str, bytes | str], last: str) 
         raise
     _remove([aside[n] for n in moved])
     _fsync_dir(directory)
+
+
+def publish_file(path: Path, data: bytes | str) -> None:
+    """One file written aside and renamed over ``path`` (``bench --json``): a full disk or a Ctrl-C mid-write
+    leaves the old file, never a torn one."""
+    publish_files(Path(path).parent, {Path(path).name: data}, Path(path).name)
