@@ -89,6 +89,7 @@ class FunctionChecks:
         for clip in self.of("clip"):
             back = self.scaled_backward_before(clip)
             if back is None:
+                self.clip_after_accelerate(clip)
                 continue
             unscales = self.of("unscale", back.scaler)
             if any(not exclusive(u, clip) for u in _between(unscales, back, clip)):
@@ -100,6 +101,26 @@ class FunctionChecks:
                 else f"clipped while still scaled: no {show(back.scaler)}.unscale_() between backward() and the clip"
             )
             self.hit("MP101", place(clip, back), f"gradients {what}{_via(clip)}")
+
+    def clip_after_accelerate(self, clip: Event) -> None:  # MP101, Accelerate's GradScaler
+        """``accelerator.backward(loss)`` scales the loss when the Accelerator is built with
+        ``mixed_precision="fp16"`` (visibly: see ``dtypes.accelerator_precisions``); a plain
+        ``torch.nn.utils.clip_grad_norm_`` then clips scaled gradients, where
+        ``accelerator.clip_grad_norm_`` unscales first."""
+        back = _before(self.of("backward"), clip)
+        if back is None or back.loss != "managed" or "fp16" not in (back.precisions or ()):
+            return
+        if any(not exclusive(u, clip) for u in _between(self.of("accel_unscale"), back, clip)):
+            return  # accelerator.unscale_gradients() first
+        who = show(back.target)
+        name = "clip_grad_value_" if "value" in ast.unparse(clip.node.func) else "clip_grad_norm_"
+        mode = 'under mixed_precision="fp16"' if back.precisions == {"fp16"} else 'when mixed_precision is "fp16"'
+        self.hit(
+            "MP101",
+            place(clip, back),
+            f"gradients clipped while still scaled: {who}.backward() scales the loss {mode}; use "
+            f"{who}.{name}(), which unscales first, or call {who}.unscale_gradients() before the clip{_via(clip)}",
+        )
 
     def in_autocast(self) -> None:  # MP102, MP109, MP110
         for event in self.events:

@@ -210,6 +210,58 @@ def _accelerator(script, receiver: ast.AST) -> Autocast | None:
     return Autocast(receiver, dtype, True, None, frozenset({dtype}))
 
 
+_NO_SCALER_PLUGINS = frozenset({"deepspeed_plugin", "megatron_lm_plugin", "fsdp_plugin", "parallelism_config"})
+
+
+def is_accelerator(script, bound: list[ast.expr] | None) -> bool:
+    """Whether a name that may hold any of ``bound`` is an Accelerate ``Accelerator``."""
+    return bool(bound) and all(isinstance(v, ast.Call) and script.qualname(v.func) in _ACCELERATORS for v in bound)
+
+
+def accelerator_precisions(script, bound: list[ast.expr] | None) -> frozenset[str] | None:
+    """The ``mixed_precision`` values an Accelerator bound to one of ``bound`` may be built
+    with, when each construction is in sight and keeps Accelerate's own GradScaler (fp16 makes
+    one, except on the CPU and under DeepSpeed or Megatron). None when anything is out of sight
+    or may change that: a value that is not in the file (a flag, ``accelerate config``, the
+    environment), ``**kwargs``, a plugin (DeepSpeed, Megatron and FSDP scale and clip their own
+    way), ``cpu=`` other than False, ``kwargs_handlers`` that set ``enabled``."""
+    built = [v for v in bound or [] if isinstance(v, ast.Call) and script.qualname(v.func) in _ACCELERATORS]
+    if not built or len(built) != len(bound):
+        return None
+    found: set[str] = set()
+    for call in built:
+        given = {kw.arg: kw.value for kw in call.keywords}
+        if call.args or None in given or _NO_SCALER_PLUGINS & given.keys():
+            return None
+        if script.constant(given.get("cpu"), False) is not False:
+            return None
+        handlers = given.get("kwargs_handlers")
+        if handlers is not None and any(isinstance(n, ast.keyword) and n.arg in ("enabled", None) for n in ast.walk(handlers)):
+            return None
+        strings = _strings(script, given.get("mixed_precision"), 0)
+        if strings is None:
+            return None
+        found |= strings
+    return frozenset(found)
+
+
+def _strings(script, node: ast.AST | None, depth: int) -> frozenset[str] | None:
+    """The string literals ``node`` may be (a literal, a conditional of literals, a name
+    assigned only literals); None for anything else."""
+    if node is None or depth > _MAX_DEPTH:
+        return None
+    if isinstance(node, ast.Constant):
+        return frozenset({node.value}) if isinstance(node.value, str) else None
+    if isinstance(node, ast.IfExp):
+        arms = [_strings(script, node.body, depth + 1), _strings(script, node.orelse, depth + 1)]
+        return None if None in arms else arms[0] | arms[1]
+    if isinstance(node, (ast.Name, ast.Attribute)):
+        bound = values(script, node)
+        arms = [_strings(script, v, depth + 1) for v in bound or []]
+        return None if not arms or None in arms else frozenset().union(*arms)
+    return None
+
+
 def _combine(node, arms: list[Autocast | None], switch) -> Autocast:
     """One autocast for several possible ones (None: a branch with no autocast)."""
     on = [a for a in arms if a is not None]

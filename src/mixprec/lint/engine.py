@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 from mixprec.lint.checks import check
 from mixprec.lint.deprecated import deprecated_hits
-from mixprec.lint.fixes import Source, apply_edits
+from mixprec.lint.fixes import Source, apply_edits, write_atomically
 from mixprec.lint.notebooks import is_notebook, notebook_code
 from mixprec.lint.workspace import Project
 from mixprec.lint.report import Finding
@@ -262,7 +262,7 @@ def lint_paths(
         if fix and not is_notebook(name):  # a notebook's JSON is linted, not rewritten
             new, count = fix_source(text, codes, name)
             if count:
-                path.write_bytes(new.encode(encoding))
+                write_atomically(path, new.encode(encoding))  # never half a script, whatever stops us
                 result.fixed[name] = count
                 text = new
         result.findings.extend(lint_source(text, name, codes, project))

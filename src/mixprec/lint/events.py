@@ -77,6 +77,8 @@ class Event:
     loss: str = "plain"  # for backward: "scaled", "plain", "unknown" or "managed" (a framework scales it)
     name: str | None = None  # for loss_call: the loss's name
     sensitivity: object = None  # for loss_call: where the loss is 16-bit-sensitive (losses.Sensitivity)
+    # for a backward() by Accelerate: the ``mixed_precision`` values its Accelerator may have (None: not in sight)
+    precisions: frozenset | None = field(default=None, compare=False)
     script: object = field(default=None, repr=False)  # the Script ``node`` is in
 
     @property

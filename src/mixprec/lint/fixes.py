@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import ast
 import io
+import os
+import stat
+import uuid
 
 from mixprec.lint.report import Edit
 
@@ -73,3 +76,31 @@ def _overlap(a: Edit, b: Edit) -> bool:
         point, other = (a, b) if a.start == a.end else (b, a)
         return other.start < point.start < other.end or (other.start == other.end == point.start)
     return a.start < b.end and b.start < a.end
+
+
+def write_atomically(path: str | os.PathLike, data: bytes) -> None:
+    """Replace the file at ``path`` with ``data`` as one step: written in full and flushed under a temporary
+    name beside it, given the old file's permission bits, then renamed over it. A crash, a full disk or a
+    Ctrl-C part-way leaves the user's file as it was (and no temporary file), never half a script. A
+    symlink stays a symlink: the file it points to is the one replaced."""
+    target = os.path.realpath(path)
+    folder, name = os.path.split(target)
+    tmp = os.path.join(folder, f".{name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        mode = stat.S_IMODE(os.stat(target).st_mode)
+    except FileNotFoundError:
+        mode = None
+    try:
+        with open(tmp, "xb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        if mode is not None:
+            os.chmod(tmp, mode)
+        os.replace(tmp, target)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise

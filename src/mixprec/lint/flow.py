@@ -8,7 +8,9 @@ module's top level) statement by statement and records the calls that matter as 
     backward, clip, unscale, scaler_step, update, opt_step, sched_step, autocast (entering a
     region), loss_call (a sensitive custom loss), escape (a scaler handed to code we cannot
     see), jump (a continue, break or return: what follows it may not run on every iteration),
-    skip_check (the scale read back after a step, to see whether it was skipped), zero_grad
+    skip_check (the scale read back after a step, to see whether it was skipped), zero_grad,
+    accel_unscale (``accelerator.unscale_gradients()``); an autocast region is entered by a ``with``,
+    ``stack.enter_context(...)`` or ``ctx.__enter__()``
 
 A call the walk can see into is followed (inlined, three levels deep), with its parameters bound
 to the caller's arguments, so a loop split across functions reads as one step: a function of
@@ -25,7 +27,7 @@ import ast
 import itertools
 
 from mixprec.lint.dtypes import autocast as autocast_of
-from mixprec.lint.dtypes import autocast_for_key
+from mixprec.lint.dtypes import accelerator_precisions, autocast_for_key, is_accelerator, values
 from mixprec.lint.events import Branch, Event, Loop, Region
 from mixprec.lint.frames import Frame, callee, locals_of, params
 from mixprec.lint.losses import SensitiveLosses
@@ -101,11 +103,69 @@ class Flow:
         home, local = frame.origin(k)  # ``amp_autocast`` passed in by the caller
         return autocast_for_key(home, local, expr), True
 
+    def _accelerator(self, frame: Frame, receiver: ast.expr) -> bool:
+        """An Accelerate ``Accelerator``: a name that says so, or one built as one."""
+        k = key_of(receiver)
+        if k is None:
+            return False
+        home, bound, _ = self._bound(frame, receiver, k)
+        return "accelerator" in k.lower() or is_accelerator(home, bound)
+
+    def _precisions(self, frame: Frame, receiver: ast.expr) -> frozenset | None:
+        """The ``mixed_precision`` values the Accelerator ``receiver`` may be built with (see
+        ``dtypes.accelerator_precisions``); one received from a caller is looked up where it was
+        made, and must be built alike wherever its name is bound there."""
+        k = key_of(receiver)
+        if k is None:
+            return None
+        home, bound, inherited = self._bound(frame, receiver, k)
+        found = accelerator_precisions(home, bound)
+        return None if inherited and found is not None and len(found) != 1 else found
+
+    @staticmethod
+    def _bound(frame: Frame, receiver: ast.expr, k: str):
+        """(file, the values ``receiver`` may hold there, whether it came from a caller)."""
+        home, local = frame.origin(k)
+        if home is frame.script and local == k:
+            return home, values(home, receiver), False
+        return home, home.assigns.get(local), True
+
     # --- statements ------------------------------------------------------------------------
 
     def _block(self, stmts, frame: Frame, ctx, path) -> None:
+        opened: list[tuple[str | None, Region]] = []  # regions entered by a call in this block
         for stmt in stmts:
             self._stmt(stmt, frame, ctx, path)
+            call = stmt.value if isinstance(stmt, (ast.Expr, ast.Assign)) else None
+            if not isinstance(call, ast.Call) or not isinstance(call.func, ast.Attribute):
+                continue
+            entered = self._entered(call, frame)
+            if entered is not None:
+                owner, expr, region = entered
+                opened.append((owner, region))
+                ctx = ctx + (region,)
+                self._emit("autocast", expr, frame, ctx, path)
+            elif opened and call.func.attr in ("__exit__", "close"):
+                owner = key_of(call.func.value)
+                closed = [r for k, r in opened if k is not None and k == owner]
+                opened = [(k, r) for k, r in opened if k is None or k != owner]
+                ctx = tuple(r for r in ctx if r not in closed)
+
+    def _entered(self, call: ast.Call, frame: Frame):
+        """(the key whose ``__exit__()``/``close()`` ends it, the autocast expression, the region)
+        for an autocast entered by a call rather than a ``with``: ``stack.enter_context(autocast)``
+        of a ``contextlib.ExitStack``, ``ctx.__enter__()`` (the rest of the block runs in it)."""
+        func = call.func
+        if func.attr == "enter_context" and len(call.args) == 1:
+            owner, expr = key_of(func.value), call.args[0]
+        elif func.attr == "__enter__" and not call.args:
+            owner, expr = key_of(func.value), func.value
+        else:
+            return None
+        autocast, inherited = self._autocast(frame, expr)
+        if autocast is None:
+            return None
+        return owner, expr, Region(autocast, None if inherited else frame.site)
 
     def _stmt(self, stmt: ast.stmt, frame: Frame, ctx, path) -> None:
         if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
@@ -121,13 +181,20 @@ class Flow:
                     self._emit("autocast", item.context_expr, frame, inner, path)
             self._block(stmt.body, frame, inner, path)
         elif isinstance(stmt, ast.If):
-            self._expr(stmt.test, frame, ctx, path)
-            guard = self._is_guard(stmt.test, frame)
-            cond = self._condition(stmt.test, frame)
-            for arm, body in enumerate((stmt.body, stmt.orelse)):
-                holds = None if cond is None else (cond[0], cond[1] == (arm == 0))
-                branch = Branch(id(stmt), arm, _ends(body), guard, frame.id, holds, stmt.test)
-                self._block(body, frame, ctx, path + (branch,))
+            while True:  # an elif chain (``orelse == [If]``) in a loop: thousands of arms, no recursion
+                self._expr(stmt.test, frame, ctx, path)
+                guard = self._is_guard(stmt.test, frame)
+                cond = self._condition(stmt.test, frame)
+                arms = []
+                for arm, body in enumerate((stmt.body, stmt.orelse)):
+                    holds = None if cond is None else (cond[0], cond[1] == (arm == 0))
+                    arms.append(path + (Branch(id(stmt), arm, _ends(body), guard, frame.id, holds, stmt.test),))
+                self._block(stmt.body, frame, ctx, arms[0])
+                path = arms[1]
+                if len(stmt.orelse) != 1 or not isinstance(stmt.orelse[0], ast.If):
+                    self._block(stmt.orelse, frame, ctx, path)
+                    break
+                stmt = stmt.orelse[0]
         elif isinstance(stmt, (ast.For, ast.AsyncFor, ast.While)):
             targets: frozenset[str] = frozenset()
             stored = self._stored.get(id(stmt))
@@ -209,9 +276,16 @@ class Flow:
                 kind, scaler = self._classify(func.value, frame)
                 self._emit("backward", call, frame, ctx, path, scaler=scaler, loss=kind)
                 return
-            if func.attr == "backward" and call.args and local and "accelerator" in local.lower():
-                self._emit("backward", call, frame, ctx, path, loss="managed")  # Accelerate scales it itself
-                return
+            if func.attr in ("backward", "unscale_gradients") and self._accelerator(frame, func.value):
+                if func.attr == "backward" and call.args:  # Accelerate scales it itself
+                    self._emit("backward", call, frame, ctx, path, loss="managed", target=self._remember(frame, local),
+                               precisions=self._precisions(frame, func.value))
+                    return
+                if func.attr == "unscale_gradients":
+                    self._emit("accel_unscale", call, frame, ctx, path, target=self._remember(frame, local))
+                    return
+            if func.attr == "unscale_" and local and local.endswith(".scaler") and self._accelerator(frame, func.value.value):
+                self._emit("accel_unscale", call, frame, ctx, path, target=self._remember(frame, local))  # accelerator.scaler
             if self.is_scaler(frame, local):
                 kinds = {"unscale_": "unscale", "step": "scaler_step", "update": "update", "get_scale": "skip_check"}
                 if func.attr == "update" and (call.args or call.keywords):
