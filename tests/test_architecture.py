@@ -27,7 +27,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 ROOT = SRC / "mixprec"
 
 CORE = {"formats", "policy", "recipes", "scaling", "islands", "masters", "step_io", "training", "seam", "_lazy", "_env",
-        "autotune", "attention"}
+        "autotune", "attention", "_files"}
 CAPABILITIES = {"fp8", "distributed"}
 SHARED = {"instruments", "tasks", "report", "arguments"}
 TOOLS = {"comparison", "diagnostics", "bench", "memory", "lint", "inference"}

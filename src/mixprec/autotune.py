@@ -31,14 +31,16 @@ from __future__ import annotations
 import json
 import os
 import platform
-import tempfile
 import time
+import uuid
 import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from mixprec._files import write_aside
 
 SCHEMA = 1
 ENV_DIR, ENV_MODE = "MIXPREC_CACHE_DIR", "MIXPREC_AUTOTUNE"
@@ -125,19 +127,8 @@ def _read(path: Path) -> dict[str, Any]:
 def _write(path: Path, entries: dict[str, Any]) -> None:
     """Write aside, then replace: a reader never sees half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".autotune-", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump({"schema": SCHEMA, "entries": entries}, f, indent=1, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    text = json.dumps({"schema": SCHEMA, "entries": entries}, indent=1, sort_keys=True)
+    write_aside(path, lambda f: f.write(text.encode("utf-8")), tmp_name=f".autotune-{uuid.uuid4().hex[:8]}.tmp")
 
 
 def lookup(what: str, device: torch.device, measure: Callable[[], dict[str, Any]]) -> tuple[dict[str, Any], str]:

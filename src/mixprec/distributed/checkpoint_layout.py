@@ -35,6 +35,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from mixprec._files import fsync_dir, write_aside
+
 MARKER = "mixprec-checkpoint.json"
 POINTER = "latest"
 LAYOUT = 1  # the version of this layout and of the marker's fields
@@ -67,28 +69,8 @@ def _is_dcp_dir(entries: Iterable[str]) -> bool:
     return any(n == ".metadata" or n.endswith(".distcp") for n in entries)
 
 
-def fsync_dir(path: Path) -> None:
-    """Make the renames in ``path`` durable (a no-op where directories cannot be opened)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def _write_atomically(path: Path, text: str) -> None:
-    tmp = path.with_name(f"{path.name}{TMP}{uuid.uuid4().hex[:8]}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+    write_aside(path, lambda f: f.write(text.encode()), tmp_name=f"{path.name}{TMP}{uuid.uuid4().hex[:8]}")
 
 
 # ---------------------------------------------------------------------------- saving (rank 0)

@@ -4,15 +4,14 @@ written atomically and read back without unpickling code."""
 
 from __future__ import annotations
 
-import os
 import re
 import sys
-import uuid
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from mixprec._files import write_aside
 from mixprec.training import MixedPrecision
 
 
@@ -119,31 +118,10 @@ class SkipAwareScheduler:
 
 
 def save_atomically(obj: Any, path: str) -> None:
-    """``torch.save(obj, path)`` written aside (a temporary name in the same directory), flushed to disk,
-    then renamed over ``path``: a crash, a full disk or a Ctrl-C mid-write leaves the old file (or none),
-    never a torn one that a resume would trip over."""
-    folder, name = os.path.split(os.path.abspath(path))
-    tmp = os.path.join(folder, f".{name}.tmp-{uuid.uuid4().hex[:8]}")
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    try:  # the rename made durable (a no-op where directories cannot be opened)
-        fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError:
-        pass
+    """``torch.save(obj, path)`` written aside, flushed, then renamed over ``path`` (``mixprec._files``): a
+    crash, a full disk or a Ctrl-C mid-write leaves the old file (or none), never a torn one that a resume
+    would trip over."""
+    write_aside(path, lambda f: torch.save(obj, f))
 
 
 def load_state_file(path: str, device: Any, what: str) -> Any:
