@@ -64,3 +64,19 @@ def test_an_islands_parameters_train_and_resume_bit_for_bit(recipe):
     resumed, _ = run(range(3, 6), state=half)
     for a, b in zip(straight.state_dict().values(), resumed.state_dict().values()):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("recipe", STORAGE)
+def test_an_island_without_parameters_and_the_whole_model_as_one(recipe):
+    # found by a probe of compare --explain: an island that owns no parameter (a softmax module, a norm without
+    # weights) became an fp32_params rule that matched nothing, and the masters refused it ("fp32_params rule
+    # '1' matches no parameter"); bf16-true refused LayerNorm(elementwise_affine=False) that way, and explain's
+    # whole-forward candidate ('' as the island) ended in that error
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16, elementwise_affine=False), nn.Softmax(-1), nn.Linear(16, 4))
+    model = MixedPrecision(recipe, "cpu", fp32_modules=["2"]).prepare(net)
+    assert model[0].weight.dtype != torch.float32 and model[3].weight.dtype != torch.float32
+    whole = MixedPrecision(recipe, "cpu", fp32_modules=[""]).prepare(_net())
+    assert all(p.dtype == torch.float32 for p in whole.parameters())
+    x = torch.randn(5, 8)
+    assert torch.isfinite(model(x)).all() and torch.isfinite(whole(x)).all()

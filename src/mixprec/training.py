@@ -30,6 +30,7 @@ from mixprec.attention import install as install_attention, with_attention
 from mixprec.formats import short_name
 from mixprec.islands import FAMILIES, Rule, as_rules, family_matches, keep_fp32
 from mixprec.masters import MasterWeights, export, make_masters
+from mixprec.masters.rules import island_param_rules
 from mixprec.policy import PreparedForward, autocast_outside, cast_floating_buffers, prepared_forward_options
 from mixprec.recipes import Recipe, as_device, as_requested, resolve_recipe
 from mixprec.scaling import GradScaler
@@ -49,6 +50,7 @@ from mixprec.step_io import (
     _check_schedulers,
     describe,
 )
+
 
 
 class MixedPrecision:
@@ -178,7 +180,7 @@ class MixedPrecision:
 
             self.fp8 = Fp8Training.attach(model, self.fp8_spec, self.device, self.recipe.name)
         if self.masters is not None and masters:
-            self.masters.fp32_params += tuple(islands)  # an island computes in fp32: its parameters stay fp32
+            self.masters.fp32_params += island_param_rules(model, islands)  # an island computes in fp32: its parameters too
             self.masters.attach(model)
             if self.recipe.autocast:  # 16-bit weights: eval loops, generate(), a submodule run outside mp.autocast() too
                 autocast_outside(model, self.device.type, self.policy.compute_dtype, root=False)

@@ -246,3 +246,92 @@ def make_loss16_task(steps: int = 40, size: float = 300.0) -> Task:
         max_grad_norm=1.0,
         description=f"regression to targets ~{size:g}, the loss in the output's dtype",
     )
+
+
+# ---------------------------------------------------------------------------- found by a probe of --explain
+
+
+def _classes(step: int, d_in: int = 16, n_cls: int = 4, batch: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    x = torch.randn(batch, d_in, generator=torch.Generator().manual_seed(1000 + step))
+    return x, x[:, :n_cls].argmax(1)
+
+
+class ManualSoftmax(nn.Module):
+    """exp / sum, in the dtype it receives: large logits overflow fp16's exp. No parameters."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        e = torch.exp(x)
+        return e / e.sum(-1, keepdim=True)
+
+
+class TokenMixer(nn.Module):
+    def __init__(self, d: int, gain: float) -> None:
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+        self.sm, self.gain = ManualSoftmax(), gain
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.sm((self.q(x) @ self.k(x).transpose(1, 2)) * self.gain) @ self.v(x)
+
+
+class SoftmaxNet(nn.Module):
+    def __init__(self, gain: float, d: int = 16) -> None:
+        super().__init__()
+        self.inp = nn.Linear(1, d)
+        self.blocks = nn.ModuleList([TokenMixer(d, 1.0), TokenMixer(d, gain)])
+        self.head = nn.Linear(d, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x.unsqueeze(-1))
+        for b in self.blocks:
+            h = b(h)
+        return self.head(h.mean(1))
+
+
+def make_two_softmax_task(steps: int = 40, gain: float = 3.0) -> Task:
+    """Two hand-written softmaxes; the island set that fixes fp16 is both, ranked out of forward order."""
+    return Task(name="manual-softmax", build_model=lambda: SoftmaxNet(gain), get_batch=lambda s: _classes(s, d_in=8),
+                loss_fn=nn.functional.cross_entropy, build_optimizer=lambda p: torch.optim.AdamW(p, lr=3e-3),
+                steps=steps, max_grad_norm=1.0, description="manual softmax in both blocks, a logit gain in block 1")
+
+
+class LogSoftmaxHead(nn.Module):
+    def __init__(self, d: int, n: int, gain: float) -> None:
+        super().__init__()
+        self.fc, self.gain = nn.Linear(d, n), gain
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(torch.softmax(self.fc(x) * self.gain, -1))
+
+
+def make_log_softmax_task(steps: int = 40, gain: float = 30.0) -> Task:
+    """log(softmax) in the head: under 16-bit storage the island is the head (parameters and all)."""
+    build = lambda: nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU(),  # noqa: E731
+                                  LogSoftmaxHead(32, 4, gain))
+    return Task(name="log-softmax", build_model=build, get_batch=_classes, loss_fn=nn.functional.nll_loss,
+                build_optimizer=lambda p: torch.optim.AdamW(p, lr=3e-3), steps=steps, max_grad_norm=1.0,
+                description="log(softmax) in the head")
+
+
+class PositionsNet(nn.Module):
+    """Positions read from a buffer (BERT's ``position_ids``: the embedding saves a view of it for backward)
+    and a feed-forward whose gain overflows fp16."""
+
+    def __init__(self, gain: float, d: int = 16, t: int = 8) -> None:
+        super().__init__()
+        self.register_buffer("positions", torch.arange(t).unsqueeze(0), persistent=False)
+        self.pos = nn.Embedding(t, d)
+        self.inp = nn.Linear(1, d)
+        self.ff = nn.Linear(d, d)
+        self.head = nn.Linear(d, 4)
+        self.gain = gain
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x.unsqueeze(-1)) + self.pos(self.positions[:, : x.shape[1]])
+        return self.head(torch.relu(self.ff(h) * self.gain).mean(1) / self.gain)
+
+
+def make_positions_task(steps: int = 40, gain: float = 1e5) -> Task:
+    return Task(name="positions", build_model=lambda: PositionsNet(gain), get_batch=lambda s: _classes(s, d_in=8),
+                loss_fn=nn.functional.cross_entropy, build_optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2),
+                steps=steps, max_grad_norm=1.0, description="positions from a buffer, an fp16 overflow in ff")

@@ -9,7 +9,8 @@ import pytest
 import mixprec
 from compare_faults import make_underflow_task
 from explain_tasks import (
-    FP16_SCALE1, make_attention_task, make_loss16_task, make_long_sum_task, make_variance_task,
+    FP16_SCALE1, make_attention_task, make_log_softmax_task, make_loss16_task, make_long_sum_task, make_positions_task, make_two_softmax_task,
+    make_variance_task,
 )
 
 pytestmark = pytest.mark.slow
@@ -101,3 +102,31 @@ def test_the_island_search_costs_about_the_same_runs_on_a_deeper_model():
     assert small.culprits == ["blocks.1.std"] and deep.culprits == ["blocks.5.std"]
     assert deep.module_count > 2.5 * small.module_count
     assert deep.search_runs <= small.search_runs + 2
+
+
+def test_an_island_set_ranked_out_of_forward_order_is_the_fix():
+    # found by a probe: the finding listed ['blocks.1.sm', 'blocks.0.sm'] (by rank), the candidate
+    # ['blocks.0.sm', 'blocks.1.sm'] (forward order); the exact match failed and bf16 was printed instead
+    e = mixprec.explain(make_two_softmax_task(), "fp16-mixed", device="cpu", threads=1)
+    assert e.status == "FIXED" and "islands" in e.holds(), e.render_text()
+    assert sorted(e.culprits) == ["blocks.0.sm", "blocks.1.sm"]
+    assert e.fix.code == "MixedPrecision('fp16-mixed', fp32_modules=['blocks.0.sm', 'blocks.1.sm'])"
+    assert e.fix.verdict.status == "TRACKS"
+
+
+def test_under_16_bit_storage_the_whole_forward_and_parameter_free_islands_are_tested():
+    # found by a probe: under fp16-true the whole-forward candidate ended in an error (its island '' became an
+    # fp32_params rule matching nothing), taken for "does not track": the islands were REJECTED as "not an op of
+    # the forward", and bf16-true was printed though the head as an island tracks
+    e = mixprec.explain(make_log_softmax_task(), "fp16-true", device="cpu", threads=1)
+    assert e.finding("islands").status == "HOLDS", e.render_text()
+    assert e.culprits == ["4"] and e.fix.code == "MixedPrecision('fp16-true', fp32_modules=['4'])"  # the head
+    assert e.fix.verdict.status == "TRACKS"
+
+
+def test_a_model_whose_graph_saved_a_buffer_is_explained():
+    # found by a probe on Hugging Face BERT: the side-by-side replay wrote the buffers back with copy_, which
+    # bumped the version of position_ids that the step's graph had saved, and --explain died in its backward
+    e = mixprec.explain(make_positions_task(), "fp16-mixed", device="cpu", threads=1)
+    assert e.verdict.status == "NON-FINITE" and e.status == "FIXED", e.render_text()
+    assert e.fix.code == "MixedPrecision('fp16-mixed', fp32_modules=['ff'])" and e.fix.verdict.status == "TRACKS"

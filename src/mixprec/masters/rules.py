@@ -109,3 +109,22 @@ def fp32_param_names(model: nn.Module, rules: Sequence[ParamRule]) -> list[str]:
                 f"or one of {list(FAMILIES)}"
             )
     return [n for n, p in model.named_parameters() if id(p) in keep and p.is_floating_point()]
+
+
+def _every_parameter(name: str, param: nn.Parameter) -> bool:
+    """The whole model as an island (``fp32_modules=[""]``): every parameter stays fp32."""
+    return True
+
+
+def island_param_rules(model: nn.Module, islands: list[str]) -> tuple[ParamRule, ...]:
+    """The fp32_params rules that keep the islands' parameters fp32. An island that owns no floating
+    parameter (a norm without affine weights, a softmax module) adds no rule: as a name it would match
+    no parameter, and the masters refuse such a rule (``bf16-true`` refused ``LayerNorm(elementwise_affine=
+    False)``, found by a probe of ``compare --explain``)."""
+    modules = dict(model.named_modules())
+    rules: list[ParamRule] = []
+    for name in islands:
+        module = modules.get(name)
+        if module is not None and any(p.is_floating_point() for p in module.parameters()):
+            rules.append(name if name else _every_parameter)
+    return tuple(rules)

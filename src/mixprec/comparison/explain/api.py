@@ -177,9 +177,9 @@ def _hypotheses(e: Explanation, ev: Evaluator, task: Task, rec: Recipe, run: Any
     masters_ev, masters_c = masters_candidates(rec, cap)
     tree = Tree(search_tree(cap))
     usable = set(tree.children) | {c for cs in tree.children.values() for c in cs}
-    root = island_candidate(rec, [""], cap, cap.param_names)
+    root = island_candidate(rec, [""], cap)
     entry = next((m.name for m in cap.entry_points() if m.name and m.name in usable), None)
-    guess = island_candidate(rec, [entry], cap, cap.param_names) if entry is not None else None
+    guess = island_candidate(rec, [entry], cap) if entry is not None else None
     islands_apply = not rec.pure  # a pure recipe is 16-bit everywhere by definition: no island
     single = [*scale_c, *loss_c, *masters_c, *([root] if islands_apply else []),
               *([guess] if guess is not None and islands_apply else [])]
@@ -203,7 +203,11 @@ def _hypotheses(e: Explanation, ev: Evaluator, task: Task, rec: Recipe, run: Any
     found: list[str] | None = None
     if guess is not None:
         search.cache[frozenset([entry])] = got[guess].tracks
-    if not got[root].tracks:
+    if got[root].run is None or got[root].run.error is not None:  # it could not run: nothing is known of the forward
+        why = got[root].run.error if got[root].run is not None else "it could not start"
+        islands = Finding("islands", "NOT TESTED", f"the whole forward in fp32 could not be trained ({why}), so the "
+                          "islands were not searched", [], island_outs)
+    elif not got[root].tracks:
         islands = Finding("islands", "REJECTED", "even with the whole forward in fp32 it does not track: the cause is "
                           "not an op of the forward or backward", [], island_outs)
     elif guess is not None and got[guess].tracks:
@@ -219,7 +223,7 @@ def _hypotheses(e: Explanation, ev: Evaluator, task: Task, rec: Recipe, run: Any
         found = search.run()
     e.search_runs = search.log.runs + len(island_outs)
     if found is not None:
-        final = island_candidate(rec, found, cap, cap.param_names)
+        final = island_candidate(rec, found, cap)
         final_out = ev.evaluate([final])[0]  # asked during the search as a whole, or one more run now
         island_outs += [o for o in ev.outcomes if o.candidate.hypothesis == "islands" and o not in island_outs]
         if not final_out.tracks:
@@ -267,7 +271,7 @@ def _loss_finding(e: Explanation, evidence: list[str], outcomes: list[Outcome], 
     fed = [r for r in reductions if r.module in e.callers and r not in inside]
     if inside or fed:
         where = ", ".join(f"{r.op} ({r.dtype}) in {r.module}" for r in inside[:4])
-        where += ("; " if where else "") + ", ".join(
+        where += ("; " if where and fed else "") + ", ".join(
             f"{r.op} ({r.dtype}) in {r.module}, fed in fp32 by the island set found "
             f"({', '.join(e.callers[r.module])})" for r in fed[:4])
         f.status = "HOLDS"
@@ -304,7 +308,7 @@ def _scale_finding(evidence: list[str], outcomes: list[Outcome], rec: Recipe) ->
 
 def _ask(ev: Evaluator, rec: Recipe, cap: Capture, sets: list[frozenset[str]], search: IslandSearch, tree: Tree,
          say: Callable[[str], None]) -> list[bool]:
-    cands = [island_candidate(rec, sorted(s), cap, cap.param_names) for s in sets]
+    cands = [island_candidate(rec, sorted(s), cap) for s in sets]
     left = max(0, tree.bound() - search.log.runs - len(sets))
     say(f"  [islands] search run {search.log.runs + 1}" + (f"-{search.log.runs + len(sets)}" if len(sets) > 1 else "")
         + f": {'; '.join(c.change for c in cands)} (at most {left} more)")
@@ -356,9 +360,18 @@ def _fixable(o: Outcome, e: Explanation) -> bool:
         return False
     if c.hypothesis != "islands":
         return True
-    return bool(e.culprits) and e.findings and any(
-        f.hypothesis == "islands" and f.status == "HOLDS" and tuple(f.detail.get("islands", ())) == c.mp_options.get("fp32_modules")
-        for f in e.findings)
+    # any island set that tracked, once the islands hypothesis holds: the set it found first (the smallest), and
+    # the others after it when that one fails over all the steps. (Compared as sets: the finding lists its islands
+    # by rank, the candidate in forward order, and a set of two out of forward order never matched: a fix found
+    # and verified was dropped for bf16, found by a probe.)
+    return bool(e.culprits) and bool(e.findings) and any(f.hypothesis == "islands" and f.status == "HOLDS" for f in e.findings)
+
+
+def _found_set(o: Outcome, e: Explanation) -> bool:
+    """Whether ``o`` is the island set the islands finding names (verified before any other set)."""
+    names = set(o.candidate.mp_options.get("fp32_modules", ()))
+    return any(f.hypothesis == "islands" and f.status == "HOLDS" and set(f.detail.get("islands", ())) == names
+               for f in e.findings)
 
 
 def _choose_fix(e: Explanation, ev: Evaluator, task: Task, rec: Recipe, dev: Any, say: Callable[[str], None]) -> None:
@@ -366,7 +379,7 @@ def _choose_fix(e: Explanation, ev: Evaluator, task: Task, rec: Recipe, dev: Any
     # smallest kind of change first; fewer islands first; else the order they were proposed in (a
     # short run's step time is too noisy to choose by)
     tracking = sorted((o for o in ev.outcomes if _fixable(o, e)),
-                      key=lambda o: (o.candidate.preference, len(o.candidate.mp_options.get("fp32_modules", ()))))
+                      key=lambda o: (o.candidate.preference, not _found_set(o, e), len(o.candidate.mp_options.get("fp32_modules", ()))))
     recipe_step = comparison.run_for(rec.name).median_step_s
     for o in tracking:
         c = o.candidate

@@ -198,15 +198,14 @@ def masters_candidates(recipe: Recipe, capture: Capture) -> tuple[list[str], lis
 # ---------------------------------------------------------------------------- islands
 
 
-def island_candidate(recipe: Recipe, names: Any, capture: Capture, all_params: list[str]) -> Candidate:
-    """The recipe with ``names`` as fp32 islands (and, for 16-bit storage, their parameters kept fp32:
-    an island computes in fp32, so its weights must be fp32 too)."""
+def island_candidate(recipe: Recipe, names: Any, capture: Capture) -> Candidate:
+    """The recipe with ``names`` as fp32 islands. (Under 16-bit storage ``MixedPrecision`` keeps an island's
+    parameters fp32 by itself; naming them in ``fp32_params`` too refused islands that own no parameter, a
+    softmax module or a norm without weights, and the whole-forward candidate ended in an error taken for
+    "does not track": found by a probe.)"""
     order = {m.name: m.order for m in capture.modules}
     names = tuple(sorted(names, key=lambda n: order.get(n, 0)))
     options: list[tuple[str, Any]] = [("fp32_modules", names)]
-    if recipe.stores_16bit:
-        extra = tuple(all_params) if "" in names else names
-        options.append(("fp32_params", (*recipe.fp32_params, *extra)))
     change = "the whole forward in fp32 (the model as one island)" if names == ("",) else \
         f"fp32 islands {list(n or ROOT for n in names)}"
     return Candidate("islands", change, recipe, tuple(options))

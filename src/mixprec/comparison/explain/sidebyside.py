@@ -247,15 +247,29 @@ def _grads(outs: list[torch.Tensor], grad_outs: dict[int, torch.Tensor], ins: li
     return [None if x is None else x.detach().double() / scale for x in got]
 
 
-def _buffers(module: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(buffer, copy) pairs: a replayed forward must not move BatchNorm's running statistics."""
-    return [(b, b.detach().clone()) for b in module.buffers()]
-
-
-def _restore(saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+def _buffers(module: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor]]:
+    """Swap every buffer for a copy, returning (owner, name, original): a replayed forward must not move
+    BatchNorm's running statistics, and the originals are put back untouched by ``_restore``. (Writing old
+    values back with ``copy_`` bumped the version of buffers the training step's graph had saved, BERT's
+    ``position_ids``, and its backward failed: found by a probe of ``--explain`` on Hugging Face BERT.)"""
+    saved: list[tuple[nn.Module, str, torch.Tensor]] = []
+    copies: dict[int, torch.Tensor] = {}  # a buffer two modules share stays shared
     with torch.no_grad():
-        for b, copy in saved:
-            b.copy_(copy)
+        for owner in module.modules():
+            for name, b in list(owner._buffers.items()):
+                if b is None:
+                    continue
+                copy = copies.get(id(b))
+                if copy is None:
+                    copy = copies[id(b)] = b.detach().clone()
+                saved.append((owner, name, b))
+                owner._buffers[name] = copy
+    return saved
+
+
+def _restore(saved: list[tuple[nn.Module, str, torch.Tensor]]) -> None:
+    for owner, name, original in saved:
+        owner._buffers[name] = original
 
 
 @contextlib.contextmanager
