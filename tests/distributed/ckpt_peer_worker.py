@@ -49,4 +49,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    os._exit(code)  # (see workers.py: gloo's threads abort the interpreter's teardown now and then)
