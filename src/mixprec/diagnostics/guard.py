@@ -206,8 +206,7 @@ class NanGuard:
                         self.contained.append(ev)
                     continue
                 if phase == "forward":
-                    if self._forward_fault is None or self._forward_fault[0] != step:
-                        self._forward_fault = (step, ev.where_text)
+                    self._note_forward_fault(ev)  # (before it is reported: this pass's backward may follow it)
                 elif self._forward_fault is not None and self._forward_fault[0] == step:
                     ev = dataclasses.replace(ev, follows=self._forward_fault[1])  # its consequence, not a cause
                 new.append(ev)
@@ -252,10 +251,14 @@ class NanGuard:
         t = getattr(s, "scale_tensor", None)
         return float(t) if t is not None else float(s.get_scale())
 
-    def _report(self, ev: NonFiniteEvent) -> None:
-        if ev.phase == "forward" and (self._forward_fault is None or self._forward_fault[0] != ev.step):
-            # the step's first forward fault: what its backward events then follow from
+    def _note_forward_fault(self, ev: NonFiniteEvent) -> None:
+        """Keep the step's first forward fault: what its backward events then follow from."""
+        if self._forward_fault is None or self._forward_fault[0] != ev.step:
             self._forward_fault = (ev.step, ev.where_text if ev.origin != "unlocated" else "a forward fault not located")
+
+    def _report(self, ev: NonFiniteEvent) -> None:
+        if ev.phase == "forward":
+            self._note_forward_fault(ev)
         if len(self.events) < self.max_events:
             self.events.append(ev)
         if ev.scaled or self.mode == "record":
