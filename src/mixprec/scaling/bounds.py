@@ -15,6 +15,7 @@ the factors, ``_growth_interval``, ``_hysteresis``, ``_consecutive_hysteresis``,
 from __future__ import annotations
 
 import math
+import numbers
 import warnings
 from typing import Any, Literal
 
@@ -33,6 +34,40 @@ def _is_power_of_two(x: Any) -> bool:
     except (TypeError, ValueError):
         return False
     return math.isfinite(x) and x > 0 and math.frexp(x)[0] == 0.5
+
+
+def _finite_real(x: Any) -> bool:
+    return not isinstance(x, bool) and isinstance(x, numbers.Real) and math.isfinite(x)
+
+
+def _check_growth_factor(growth_factor: Any) -> None:
+    """torch's check (and message) for a number <= 1; also refuses what torch lets through and then
+    fails on later or never (NaN, inf, a string): such a scaler's state_dict() would not load back."""
+    if not _finite_real(growth_factor):
+        raise ScalerConfigError(f"The growth factor must be a finite number > 1.0 (2.0 is torch's default), "
+                                f"got {growth_factor!r}")
+    if growth_factor <= 1.0:
+        raise ScalerConfigError("The growth factor must be > 1.0.")
+
+
+def _check_backoff_factor(backoff_factor: Any) -> None:
+    """torch's check (and message) for a number >= 1; also refuses NaN, and 0 or less (torch takes
+    them: a NaN or a zero/negative scale after the first overflow)."""
+    if not _finite_real(backoff_factor):
+        raise ScalerConfigError(f"The backoff factor must be a finite number in (0, 1) (0.5 is torch's default), "
+                                f"got {backoff_factor!r}")
+    if backoff_factor >= 1.0:
+        raise ScalerConfigError("The backoff factor must be < 1.0.")
+    if backoff_factor <= 0.0:
+        raise ScalerConfigError(f"The backoff factor must be > 0 (0.5 is torch's default), got {backoff_factor!r}")
+
+
+def _check_growth_interval(growth_interval: Any) -> int:
+    """An integer >= 1 (torch takes anything, and a float or a string fails at the first ``update()``)."""
+    if isinstance(growth_interval, bool) or not isinstance(growth_interval, numbers.Integral) or growth_interval < 1:
+        raise ScalerConfigError(f"growth_interval must be an integer >= 1 (clean steps before the scale grows; "
+                                f"2000 is torch's default), got {growth_interval!r}")
+    return int(growth_interval)
 
 
 def _check_bounds(

@@ -2,8 +2,8 @@
 
 Holds ``_StepRecord``, the ``GradScaler`` mixin that reads it: ``last_skipped`` / ``last_scale``
 (0-d device tensors, no sync), ``was_skipped()``, ``skipped_steps`` and ``history()``. The record is
-written by ``GradScaler.update()`` itself (``mixprec.scaling.scaler``: a few lines inline, so the
-hot path pays no extra call) and its attributes are set by ``GradScaler.__init__``:
+written by ``GradScaler.update()`` (``mixprec.scaling.scaler``: ``_write_record``, also for
+``update(new_scale)`` after a step) and its attributes are set by ``GradScaler.__init__``:
 ``_last_found_inf`` (the summed found_inf; ``_last_found``, the flag, is formed from it when read),
 ``_last_scale``, ``_last_host_skipped``, the ``_record`` deque of ``(update index, scale used, found
 inf sum)``, ``_updates``, the device counter ``_skipped_total`` and the sums not yet counted into it
@@ -50,8 +50,12 @@ class _StepRecord:
 
     @property
     def skipped_steps(self) -> torch.Tensor | None:
-        """Total skipped steps as a 0-d device tensor (no sync)."""
-        return self._fold_skipped() if self._enabled else None
+        """Total skipped steps as a 0-d device tensor (no sync); None when disabled. Before the
+        first ``scale()`` (a fresh, loaded or unpickled scaler) a CPU tensor of the count so far."""
+        if not self._enabled:
+            return None
+        total = self._fold_skipped()
+        return torch.tensor(self._init_skipped, dtype=torch.int64) if total is None else total
 
     def history(self) -> dict[str, torch.Tensor]:
         """The last ``record_steps`` steps as CPU tensors: ``step``, ``scale`` (used), ``skipped``.
@@ -65,8 +69,10 @@ class _StepRecord:
                 "skipped": torch.zeros(0, dtype=torch.bool),
             }
         steps, scales, found = zip(*self._record)
+        # (after unpickling, the steps recorded before are CPU tensors and the later ones on the device)
+        dev = scales[-1].device
         return {
             "step": torch.tensor(steps, dtype=torch.int64),
-            "scale": torch.stack(scales).cpu(),
-            "skipped": (torch.stack(found) > 0).cpu(),
+            "scale": torch.stack([t.to(dev, non_blocking=True) for t in scales]).cpu(),
+            "skipped": (torch.stack([t.to(dev, non_blocking=True) for t in found]) > 0).cpu(),
         }

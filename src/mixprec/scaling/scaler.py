@@ -4,10 +4,10 @@
 calling its ``__init__``, and overrides every method torch defines. This module holds its state
 (``__init__`` is the one inventory of attributes; the device tensors are created lazily by the
 first ``scale()``), ``scale()``, ``update()`` (the end of an iteration: consumes every optimizer's
-found-inf tensors, writes the per-step record inline, then torch's fused update or the bounded one),
-the getters and setters, ``state_dict`` / ``load_state_dict`` (torch's five keys plus ``mixprec``)
-and pickling. The mixins hold the rest: ``stages._OptimizerStages`` (unscale_, step),
-``bounds._Bounds`` (hysteresis, floor, ceiling, power-of-two bookkeeping) and
+found-inf tensors, writes the per-step record (``_write_record``, also on ``update(new_scale)``),
+then torch's fused update or the bounded one), the getters and setters, ``state_dict`` /
+``load_state_dict`` (torch's five keys plus ``mixprec``) and pickling. The mixins hold the rest:
+``stages._OptimizerStages`` (unscale_, step), ``bounds._Bounds`` (hysteresis, floor, ceiling, power-of-two bookkeeping) and
 ``record._StepRecord`` (``last_skipped``, ``history()``...).
 """
 
@@ -22,7 +22,15 @@ from typing import Any
 
 import torch
 
-from mixprec.scaling.bounds import OnFloor, _Bounds, _check_bounds, _is_power_of_two
+from mixprec.scaling.bounds import (
+    OnFloor,
+    _Bounds,
+    _check_backoff_factor,
+    _check_bounds,
+    _check_growth_factor,
+    _check_growth_interval,
+    _is_power_of_two,
+)
 from mixprec.scaling.errors import ScalerConfigError, ScaleTypeError
 from mixprec.scaling.record import _StepRecord
 from mixprec.scaling.stages import _fresh_optimizer_state, _OptimizerStages
@@ -88,12 +96,12 @@ class GradScaler(_OptimizerStages, _Bounds, _StepRecord, torch.amp.GradScaler):
         self._unfolded: list[torch.Tensor] = []  # found_inf sums not yet counted into _skipped_total
         self._last_scale: torch.Tensor | None = None
         self._last_host_skipped: bool | None = None
+        self._pow2 = False  # (set below when enabled; the setters read it on a disabled scaler too)
         if not self._enabled:
             return
-        if growth_factor <= 1.0:
-            raise ScalerConfigError("The growth factor must be > 1.0.")
-        if backoff_factor >= 1.0:
-            raise ScalerConfigError("The backoff factor must be < 1.0.")
+        _check_growth_factor(growth_factor)
+        _check_backoff_factor(backoff_factor)
+        growth_interval = _check_growth_interval(growth_interval)
         _check_bounds(init_scale, hysteresis, min_scale, max_scale, on_floor)
 
         self._init_scale = init_scale
@@ -191,34 +199,25 @@ class GradScaler(_OptimizerStages, _Bounds, _StepRecord, torch.amp.GradScaler):
         if not self._enabled:
             return
         scale, tracker = self._check_scale_growth_tracker("update")
-        if new_scale is not None:
-            self._set_scale(new_scale)
-            self._per_optimizer_states = defaultdict(_fresh_optimizer_state)
-            return
-
         found_infs = [
             f.to(device=scale.device, non_blocking=True)
             for state in self._per_optimizer_states.values()
             for f in state["found_inf_per_device"].values()
         ]
+        if new_scale is not None:
+            # A step taken (or skipped) this iteration is recorded as by a plain update(): the scale
+            # the user sets next must not hide that this step was skipped (was_skipped(),
+            # skipped_steps, history()). Validated first: a refused new_scale records nothing.
+            used = scale.clone() if found_infs else None
+            self._set_scale(new_scale)
+            if used is not None:
+                self._write_record(used, found_infs)
+            self._per_optimizer_states = defaultdict(_fresh_optimizer_state)
+            return
+
         if not found_infs:
             raise AssertionError("No inf checks were recorded prior to update.")
-        combined = found_infs[0]
-        for f in found_infs[1:]:
-            combined = combined + f
-        # .get: code written for torch's GradScaler may have made these states itself (torch's keys only)
-        host = [s.get("host_found_inf") for s in self._per_optimizer_states.values() if s["found_inf_per_device"]]
-        self._last_host_skipped = None if any(h is None for h in host) else any(host)
-
-        # The per-step record (record._StepRecord reads it), written here: no extra call per step.
-        # It keeps the summed found_inf, not found_inf > 0: the skip flag and the skip count are
-        # formed when read (one comparison per read, or per 1024 steps), not on every step.
-        self._last_found_inf, self._last_found, self._last_scale = combined, None, scale.clone()
-        self._record.append((self._updates, self._last_scale, combined))
-        self._updates += 1
-        self._unfolded.append(combined)
-        if len(self._unfolded) >= 1024:
-            self._fold_skipped()
+        combined = self._write_record(scale.clone(), found_infs)
 
         if self._plain:
             torch._amp_update_scale_(
@@ -227,6 +226,24 @@ class GradScaler(_OptimizerStages, _Bounds, _StepRecord, torch.amp.GradScaler):
         else:
             self._update_with_bounds(scale, tracker, self.last_skipped)
         self._per_optimizer_states = defaultdict(_fresh_optimizer_state)
+
+    def _write_record(self, scale_used: torch.Tensor, found_infs: list[torch.Tensor]) -> torch.Tensor:
+        """The per-step record (record._StepRecord reads it) of the step just taken with
+        ``scale_used``; returns the summed found_inf. It keeps the sum, not found_inf > 0: the skip
+        flag and the skip count are formed when read (one comparison per read, or per 1024 steps)."""
+        combined = found_infs[0]
+        for f in found_infs[1:]:
+            combined = combined + f
+        # .get: code written for torch's GradScaler may have made these states itself (torch's keys only)
+        host = [s.get("host_found_inf") for s in self._per_optimizer_states.values() if s["found_inf_per_device"]]
+        self._last_host_skipped = None if any(h is None for h in host) else any(host)
+        self._last_found_inf, self._last_found, self._last_scale = combined, None, scale_used
+        self._record.append((self._updates, scale_used, combined))
+        self._updates += 1
+        self._unfolded.append(combined)
+        if len(self._unfolded) >= 1024:
+            self._fold_skipped()
+        return combined
 
     def _set_scale(self, new_scale: float | torch.Tensor) -> None:
         assert self._scale is not None
@@ -274,7 +291,12 @@ class GradScaler(_OptimizerStages, _Bounds, _StepRecord, torch.amp.GradScaler):
     def get_growth_factor(self) -> float:
         return self._growth_factor
 
+    # The setters refuse what the constructor refuses (torch's take anything): a scaler set to a
+    # factor of 0.5 or an interval of 1.5 would save a state_dict() that does not load back.
+
     def set_growth_factor(self, new_factor: float) -> None:
+        if self._enabled:
+            _check_growth_factor(new_factor)
         self._growth_factor = new_factor
         self._pow2 = self._pow2 and _is_power_of_two(new_factor)
 
@@ -282,6 +304,8 @@ class GradScaler(_OptimizerStages, _Bounds, _StepRecord, torch.amp.GradScaler):
         return self._backoff_factor
 
     def set_backoff_factor(self, new_factor: float) -> None:
+        if self._enabled:
+            _check_backoff_factor(new_factor)
         self._backoff_factor = new_factor
         self._pow2 = self._pow2 and _is_power_of_two(new_factor)
 
@@ -289,7 +313,7 @@ class GradScaler(_OptimizerStages, _Bounds, _StepRecord, torch.amp.GradScaler):
         return self._growth_interval
 
     def set_growth_interval(self, new_interval: int) -> None:
-        self._growth_interval = new_interval
+        self._growth_interval = _check_growth_interval(new_interval) if self._enabled else new_interval
 
     def _get_growth_tracker(self) -> int:
         if not self._enabled:
@@ -338,6 +362,15 @@ class GradScaler(_OptimizerStages, _Bounds, _StepRecord, torch.amp.GradScaler):
                 "from a disabled instance of GradScaler."
             )
         state_dict = check_state_dict(state_dict)  # whole, before anything is assigned
+        if "mixprec" not in state_dict:  # torch's (or a bare) state: it must fit this scaler's own bounds
+            try:
+                _check_bounds(state_dict["scale"], self._hysteresis, self._min_scale, self._max_scale, self._on_floor)
+            except ScalerConfigError as e:
+                raise ScalerConfigError(
+                    f"state_dict['scale'] does not fit this scaler: {e}".replace("init_scale", "the loaded scale")
+                    + " (the scaler is unchanged). Construct it with min_scale/max_scale that hold the "
+                    "loaded scale, or without them"
+                ) from None
         self._init_scale = state_dict["scale"]
         self._growth_factor = state_dict["growth_factor"]
         self._backoff_factor = state_dict["backoff_factor"]
@@ -383,9 +416,18 @@ class GradScaler(_OptimizerStages, _Bounds, _StepRecord, torch.amp.GradScaler):
             state["_init_floor_hits"] = sd["_floor_hits"]
             state["_init_skipped"] = sd["_skipped_total"]
             for name in ("_scale", "_growth_tracker", "_hysteresis_tracker", "_floor_hits", "_skipped_total",
-                         "_last_found", "_last_scale", "_last_found_inf"):
+                         "_last_found"):
                 state[name] = None
-            state["_record"] = collections.deque(maxlen=self._record_steps)
+            # The per-step record travels as CPU tensors (one copy of each kind; state_dict() synced
+            # already): was_skipped(), last_skipped, last_scale and history() answer the same after
+            # unpickling (a fused step's skip is known only from its device tensor).
+            state["_last_scale"] = None if self._last_scale is None else self._last_scale.cpu()
+            state["_last_found_inf"] = None if self._last_found_inf is None else self._last_found_inf.cpu()
+            record = collections.deque(maxlen=self._record_steps)
+            if self._record:
+                steps, scales, found = zip(*self._record)
+                record.extend(zip(steps, torch.stack(scales).cpu().unbind(), torch.stack(found).cpu().unbind()))
+            state["_record"] = record
             state["_unfolded"] = []
             state["_per_optimizer_states"] = None
         return state
