@@ -80,7 +80,30 @@ def _as_optimizers(optimizers: Optimizers) -> list[torch.optim.Optimizer]:
     for o in opts:
         if not isinstance(o, torch.optim.Optimizer):
             raise TypeError(f"step() expects torch.optim.Optimizer instances, got {type(o).__name__}")
+        if _needs_closure(type(o)):
+            raise TypeError(
+                f"{type(o).__name__}.step() needs a closure (it re-evaluates the loss several times per step, as "
+                "torch.optim.LBFGS does): mp.step runs one backward of the loss it is given, so it cannot drive "
+                "it. Use an optimizer that steps from the gradients (SGD, Adam, AdamW, ...), or train this "
+                "one in fp32 without mp.step"
+            )
     return _Checked(opts)
+
+
+_CLOSURE: dict[type, bool] = {}  # optimizer class -> whether its step() requires a closure
+
+
+def _needs_closure(cls: type) -> bool:
+    needs = _CLOSURE.get(cls)
+    if needs is None:
+        import inspect
+
+        try:
+            closure = inspect.signature(cls.step).parameters.get("closure")
+        except (TypeError, ValueError):  # (a step inspect cannot read: assume the usual closure=None)
+            closure = None
+        needs = _CLOSURE[cls] = closure is not None and closure.default is inspect.Parameter.empty
+    return needs
 
 
 class ModelsHeld:
@@ -96,11 +119,36 @@ class ModelsHeld:
     def __init__(self) -> None:
         self._models: list[Any] = []  # weakrefs
         self._ok: set[tuple[int, ...]] = set()
+        #: (model class, name, parameter, dtype) of every floating parameter as ``prepare`` left it; the
+        #: parameters held weakly (a wrapper that replaces them, FSDP2's sharding, frees the old ones)
+        self._stored: list[tuple[str, str, Any, torch.dtype]] = []
 
     def add(self, model: torch.nn.Module) -> None:
         import weakref
 
         self._models.append(weakref.ref(model))
+        self._stored += [(type(model).__name__, n, weakref.ref(p), p.dtype) for n, p in model.named_parameters()
+                         if p.is_floating_point()]
+
+    def check_storage(self, recipe: str) -> None:
+        """Raise if a parameter of a prepared model is no longer in the dtype ``prepare`` left it in.
+
+        ``model.half()``, ``model.to(torch.bfloat16)`` or ``model.float()`` after ``prepare`` cast the
+        parameters in place, behind the recipe: a mixed recipe's optimizer would then step 16-bit
+        weights without masters, a 16-bit storage recipe's masters would write back into (or rebuild
+        from) weights of another dtype, and the step would say nothing. One dtype comparison per
+        parameter, each step."""
+        for model, name, ref, dtype in self._stored:
+            p = ref()
+            if p is not None and p.dtype is not dtype:
+                raise RuntimeError(
+                    f"parameter {name!r} of the prepared {model} is stored in {str(p.dtype).replace('torch.', '')} now, but "
+                    f"prepare() left it in {str(dtype).replace('torch.', '')} for recipe {recipe!r}: the model was cast after "
+                    "prepare (model.half(), model.float(), model.to(dtype)), which changes its precision behind "
+                    "the recipe (16-bit weights stepped without masters, or masters out of step with the weights). "
+                    "Do not cast a prepared model: for fp32 weights use mp.fp32_state_dict(model); for another "
+                    "precision build a MixedPrecision with that recipe and prepare a freshly built model"
+                )
 
     def check(self, opts: Sequence[torch.optim.Optimizer]) -> None:
         key = tuple(id(o) for o in opts)
@@ -154,6 +202,15 @@ def check_loadable(mp: Any, state: Any, strict: bool) -> int:
                          f"{type(steps).__name__} {steps!r}"[:200] + ": the checkpoint is damaged or was edited; "
                          "load one saved with mp.state_dict()")
     scaler = state.get("scaler")
+    if not isinstance(scaler, dict):
+        raise TypeError(f"the state's 'scaler' must be the dict scaler.state_dict() returned, got {type(scaler).__name__}: "
+                        "the checkpoint is damaged or was edited; load one saved with mp.state_dict()")
+    if strict and (mp.masters is not None) != ("masters" in state):
+        why = (f"the state lacks the master weights ('masters') recipe {mp.recipe.name!r} keeps: loading it would resume "
+               "without the fp32 masters" if mp.masters is not None else
+               f"the state holds master weights ('masters'), but recipe {mp.recipe.name!r} keeps none")
+        raise ValueError(f"{why}; the checkpoint is damaged or was edited: load the dict mp.state_dict() saved, "
+                         "or pass strict=False to load its other parts")
     if scaler and mp.scaler.is_enabled() and type(mp.scaler).load_state_dict is GradScaler.load_state_dict:
         check_state_dict(scaler)  # (a scaler with its own load_state_dict is put back if that raises)
     if mp.masters is not None and "masters" in state:
@@ -161,7 +218,7 @@ def check_loadable(mp: Any, state: Any, strict: bool) -> int:
     if mp.fp8 is not None or state.get("fp8"):
         from mixprec.fp8.state import check_fp8_state  # a capability: imported when the state has fp8 parts
 
-        check_fp8_state(mp, state.get("fp8"), state.get("recipe"))
+        check_fp8_state(mp, state.get("fp8"), state.get("recipe"), steps=int(steps))
     return int(steps)
 
 
@@ -200,6 +257,44 @@ def clip_or_measure(params: Sequence[torch.Tensor], max_norm: float | None, norm
         if max_norm is not None:
             # torch's rule: multiply by min(max_norm / (norm + 1e-6), 1), also when that is 1 (no sync)
             torch._foreach_mul_(grads, torch.clamp(float(max_norm) / (total + 1e-6), max=1.0))
+    return total
+
+
+def clip_dense_or_sparse(params: Sequence[torch.Tensor], max_grad_norm: float | None,
+                         norm_type: float) -> torch.Tensor:
+    """``clip_or_measure``, and where torch's clip raises for sparse gradients (it has no sparse norm,
+    and raises before it scales anything), ``sparse_clip_or_measure``."""
+    try:
+        return clip_or_measure(params, max_grad_norm, norm_type)
+    except NotImplementedError:
+        sparse = sparse_clip_or_measure(params, max_grad_norm, norm_type)
+        if sparse is None:
+            raise
+        return sparse
+
+
+def sparse_clip_or_measure(params: Sequence[torch.Tensor], max_norm: float | None,
+                           norm_type: float) -> torch.Tensor | None:
+    """What ``MixedPrecision.step`` clips (measures) when some gradients are sparse
+    (``nn.Embedding(sparse=True)`` with ``SparseAdam``), which torch's ``clip_grad_norm_`` (and so
+    ``clip_or_measure``, torch's twin) cannot take: no sparse ``linalg_vector_norm``. A sparse
+    gradient's norm is the norm of its coalesced values (the entries it leaves out are zeros),
+    combined as torch combines norms; the clip multiplies every gradient by torch's coefficient.
+    None when no gradient is sparse (the caller then runs ``clip_or_measure``)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if all(g.layout is torch.strided for g in grads):
+        return None
+    with torch.no_grad():
+        norm_type = float(norm_type)
+        first = grads[0].device
+        norms = [torch.linalg.vector_norm(g.coalesce().values() if g.layout is torch.sparse_coo else g.to_dense()
+                                          if g.layout is not torch.strided else g, norm_type).to(first)
+                 for g in grads]
+        total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+        if max_norm is not None:
+            coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+            for g in grads:
+                g.mul_(coef.to(g.device))
     return total
 
 

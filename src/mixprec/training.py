@@ -43,7 +43,7 @@ from mixprec.step_io import (
     _as_optimizers,
     check_loadable,
     check_loss,
-    clip_or_measure,
+    clip_dense_or_sparse,
     check_model_params,
     _check_max_grad_norm,
     _check_nan_guard,
@@ -322,7 +322,10 @@ class MixedPrecision:
     # optimizer_step. step() is these parts in this order: both paths compute the same numbers.
     def after_backward(self, optimizers: Optimizers, *, boundary: bool = True) -> None:
         """After each backward of a scaled loss: 16-bit storage recipes move the 16-bit gradients
-        onto the fp32 masters (adding in fp32), at the ``boundary`` ready for the step."""
+        onto the fp32 masters (adding in fp32), at the ``boundary`` ready for the step; there, refuses a
+        model cast since ``prepare`` (``model.half()``: the step would train another precision)."""
+        if boundary:
+            self._held.check_storage(self.recipe.name)
         if self.masters is None:
             return
         # nothing reads the gradients before the step but the scaler's inf check and the clip,
@@ -419,7 +422,7 @@ class MixedPrecision:
                 return self.masters.deferred_grad_norm_(params, max_grad_norm, norm_type)
         if self._dist is not None:  # the norm over every rank's gradients (FSDP2's are shards)
             return self._dist.clip_grad_norm_(params, max_grad_norm, norm_type)
-        return clip_or_measure(params, max_grad_norm, norm_type)
+        return clip_dense_or_sparse(params, max_grad_norm, norm_type)
 
     # ------------------------------------------------------------------ state
 
@@ -460,7 +463,7 @@ class MixedPrecision:
                 self.scaler.load_state_dict(state["scaler"])
             if self.fp8 is not None or state.get("fp8"):
                 from mixprec.fp8.state import load_fp8_state  # (refuses fp8 state before prepare)
-                load_fp8_state(self, state.get("fp8"), state.get("recipe"))
+                load_fp8_state(self, state.get("fp8"), state.get("recipe"), steps)
             if self.masters is not None and "masters" in state:
                 self.masters.load_state_dict(state["masters"])
         except BaseException:

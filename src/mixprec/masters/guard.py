@@ -21,6 +21,19 @@ import torch
 from mixprec.formats import get_format
 
 
+SIXTEEN = (torch.bfloat16, torch.float16)
+
+
+def added_without_master(p: torch.Tensor, opt: torch.optim.Optimizer) -> str:
+    shape = "x".join(map(str, p.shape)) or "scalar"
+    return (
+        f"the optimizer ({type(opt).__name__}) holds a {get_format(p.dtype).name} parameter of shape {shape} that "
+        "mp.prepare did not store (added to the model or to the optimizer after prepare): it has no fp32 master, "
+        "so stepping it would update the 16-bit weight directly and lose small updates. Add every module before "
+        "mp.prepare(model) and build the optimizer over mp.parameters(model), or keep the new parameters in fp32"
+    )
+
+
 def built_over_16bit(name: str, dtype: torch.dtype) -> str:
     return (
         f"the optimizer holds parameter {name!r}, which this recipe stores in {get_format(dtype).name}: "
@@ -100,6 +113,14 @@ def check_slot_state(name: str, saved: Any, mine: dict[str, torch.Tensor]) -> No
             raise ValueError(f"master-weight state does not fit parameter {name!r}: checkpoint {found}, model "
                              f"{shape(want)} ({key}). The checkpoint was saved from a model of another shape: "
                              "build the model it was saved from, or start this one without it")
+        if got.dtype != want.dtype:  # copy_ would convert it silently: an int truncates the masters, f64 rounds
+            raise ValueError(f"master-weight state for parameter {name!r} ({key}) is {_dtype_name(got.dtype)}, "
+                             f"this strategy keeps it in {_dtype_name(want.dtype)}: the checkpoint was edited or "
+                             "converted (loading would convert the values silently); load the one mp.state_dict() saved")
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
 
 
 def check_masters_state(masters: Any, state: Any) -> None:
