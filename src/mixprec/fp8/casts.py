@@ -55,10 +55,20 @@ def role_formats(fmt: str) -> tuple[FloatFormat, FloatFormat, FloatFormat]:
 
 def amax(x_hp: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """``max |x|`` as fp32 (over ``dim``, kept as a size-1 dimension, for rowwise scales). Exact: an
-    fp32 or bf16 magnitude is an fp32 value."""
+    fp32 or bf16 magnitude is an fp32 value. An empty tensor's amax is 0 (an ``nn.Linear`` takes a
+    batch of 0 tokens, an MoE expert that got none; torch's ``amax`` refuses to reduce over nothing)."""
     a = x_hp.detach().abs()
+    if a.numel() == 0:
+        return _empty_amax(a, dim)
     a = a.amax() if dim is None else a.amax(dim=dim, keepdim=True)
     return a.float()
+
+
+def _empty_amax(a: torch.Tensor, dim: int | None) -> torch.Tensor:
+    shape: list[int] = [] if dim is None else list(a.shape)
+    if dim is not None:
+        shape[dim] = 1
+    return torch.zeros(shape, dtype=torch.float32, device=a.device)
 
 
 def amax_fmax(x_hp: torch.Tensor) -> torch.Tensor:
@@ -66,6 +76,8 @@ def amax_fmax(x_hp: torch.Tensor) -> torch.Tensor:
     NaN element is skipped (an all-NaN tensor gives 0) while an infinity is kept. Delayed scaling
     records this one; current scaling keeps torchao's ``amax`` (a NaN makes the scale NaN)."""
     a = x_hp.detach().abs().float()
+    if a.numel() == 0:  # (as ``amax``: nothing cast, 0, which leaves the history's slot as it was)
+        return _empty_amax(a, None)
     return torch.where(torch.isnan(a), torch.zeros((), device=a.device), a).amax()
 
 

@@ -165,7 +165,20 @@ class Fp8Matmul:
         state.pop(WEIGHT_CACHE, None)
         return state
 
+    def _check_input(self, x: torch.Tensor) -> None:
+        """What ``nn.Linear`` refuses, refused here too with the layer's name: the casts would compute an
+        integer input (``x.float() * s``) and return integers, and MXFP8 named only its 32-blocks."""
+        name = f"fp8 layer {self.fp8_name or type(self).__name__!r}"
+        if not (x.is_floating_point() and x.dtype.itemsize >= 2):
+            raise TypeError(f"{name}: the input is {x.dtype}; an fp8 matmul takes a floating-point input (fp32, "
+                            "bf16 or fp16, as nn.Linear does): cast it first (an embedding for token ids)")
+        n_in = self.in_features  # type: ignore[attr-defined]
+        if x.dim() == 0 or x.shape[-1] != n_in:
+            got = f"{x.shape[-1]} features in its last dimension" if x.dim() else "no dimension (a 0-d tensor)"
+            raise ValueError(f"{name}: the input has {got} (shape {tuple(x.shape)}); the layer takes {n_in} features")
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_input(x)
         device = x.device.type
         if torch.is_autocast_enabled(device):  # compute from the autocast dtype, as F.linear would
             x = x.to(torch.get_autocast_dtype(device))

@@ -70,17 +70,20 @@ def with_options(recipe: Any, options: Any) -> Any:
     return spec
 
 
-def load_fp8_state(mp: Any, state: dict[str, Any] | None, saved_recipe: Any = None) -> None:
+def load_fp8_state(mp: Any, state: dict[str, Any] | None, saved_recipe: Any = None,
+                   steps: int | None = None) -> None:
     """``MixedPrecision.load_state_dict``'s fp8 part: refuses fp8 state that this run cannot take
     (not an fp8 recipe; not prepared yet), saying which."""
-    check_fp8_state(mp, state, saved_recipe)
+    check_fp8_state(mp, state, saved_recipe, steps)
     if mp.fp8 is not None and state is not None:
         mp.fp8.load_state_dict(state)
 
 
-def check_fp8_state(mp: Any, state: dict[str, Any] | None, saved_recipe: Any = None) -> None:
+def check_fp8_state(mp: Any, state: dict[str, Any] | None, saved_recipe: Any = None,
+                    steps: int | None = None) -> None:
     """``load_fp8_state``'s refusals, without writing: ``MixedPrecision.load_state_dict`` checks every part
-    of a checkpoint before it applies any."""
+    of a checkpoint before it applies any. ``steps``: the checkpoint's optimizer steps (0: saved before
+    any step, so no scaling state to miss; None: not known)."""
     fp8 = mp.fp8
     if state is not None and not isinstance(state, dict):
         raise ValueError(f"the checkpoint's fp8 state must be the dict mp.state_dict()['fp8'] holds, got "
@@ -97,6 +100,12 @@ def check_fp8_state(mp: Any, state: dict[str, Any] | None, saved_recipe: Any = N
         raise RuntimeError("the checkpoint holds fp8 scaling state: call mp.prepare(model) before mp.load_state_dict")
     if state is not None:
         fp8.check_state_dict(state)
+    elif fp8.delayed and fp8.layers and saved_recipe == mp.recipe.name and steps != 0:
+        raise ValueError(f"the checkpoint is of recipe {saved_recipe!r} but holds no fp8 scaling state (a prepared "
+                         f"run's mp.state_dict() saves it as 'fp8'): the {len(fp8.layers)} fp8 layers "
+                         "would resume from scale 1 and an empty amax history, another run than the one saved. Load "
+                         "the whole mp.state_dict() that was saved; to start the scaling afresh on purpose, give this "
+                         "run's own: mp.load_state_dict({**state, 'fp8': mp.state_dict()['fp8']})")
 
 
 def check_layer_state(name: str, entry: Any, m: Any) -> None:
@@ -108,12 +117,18 @@ def check_layer_state(name: str, entry: Any, m: Any) -> None:
     if h.shape != m.fp8_amax_history.shape:
         raise ValueError(f"fp8 layer {name!r}: the checkpoint's amax history has shape {tuple(h.shape)}, this "
                          f"recipe's {tuple(m.fp8_amax_history.shape)} (a different amax_history_len)")
+    if not h.is_floating_point() or bool((h.detach() < 0).any()):
+        raise ValueError(f"fp8 layer {name!r}: the checkpoint's amax history ({h.dtype}) must hold floats >= 0 "
+                         "(each a tensor's max |x|); the checkpoint is damaged or was edited")
     if s.shape != m.fp8_scale.shape or not s.is_floating_point():
         raise ValueError(f"fp8 layer {name!r}: the checkpoint's scale is {s.dtype} {tuple(s.shape)}, expected "
                          f"{tuple(m.fp8_scale.shape)} floats (input, weight, grad_output)")
+    # judged as the layer will hold it: a float64 scale of 1e300 is finite, and inf once copied into fp32
+    saved, s = s.dtype, s.detach().to(m.fp8_scale.dtype)
     bad = ~(torch.isfinite(s) & (s > 0))
     if bool(bad.any()):
-        raise ValueError(f"fp8 layer {name!r}: the checkpoint's scale {s.tolist()} is not finite and positive "
+        held = "" if saved == s.dtype else f" (as the layer's {s.dtype} holds it; saved as {saved})"
+        raise ValueError(f"fp8 layer {name!r}: the checkpoint's scale {s.tolist()}{held} is not finite and positive "
                          "everywhere (a scale of 0 or inf zeroes or saturates every cast); the checkpoint is damaged")
 
 

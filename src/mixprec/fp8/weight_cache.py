@@ -1,13 +1,17 @@
 """The fp8 weight cast, cached across the micro-batches of one accumulation window.
 
-The weights only change at an optimizer step, so within an accumulation window (and across an
-eval loop) every forward casts the same weight to the same fp8 bits with the same scale. An fp8
-layer keeps its last forward cast (bits, scale and, for delayed scaling, the weight's amax) and
+The weights only change at an optimizer step, so within an accumulation window every forward
+casts the same weight to the same fp8 bits with the same scale. An fp8 layer keeps its last forward cast (bits, scale and, for delayed scaling, the weight's amax) and
 reuses it while it is valid, which is checked, not assumed:
 
 - the weight's version counter and storage (every in-place change, an optimizer step or a
   ``load_state_dict``, bumps the version; a moved or replaced weight has another storage);
 - for delayed scaling, the version of the layer's scales (the update and a loaded state bump it);
+- only a forward that will run a backward (grad enabled, as an accumulation window's micro-batches
+  are) keeps or reuses a cast; an evaluation under ``torch.no_grad()`` / ``torch.inference_mode()``
+  casts every time. A write through ``weight.data`` (``p.data.copy_(ema)``, ``.data.normal_()``)
+  bumps no version the layer can see: swapping EMA weights in for an eval loop that way, or
+  evaluating the raw weights and then the EMA ones, reused the first weights' cast, silently;
 - ``Fp8Training.after_step`` drops every layer's cast at each optimizer step, so that at most one
   window holds it (1 byte per fp8 weight element) and nothing outlives the step that made it.
 
@@ -36,7 +40,8 @@ def cast_weight(layer: Any, weight: torch.Tensor, cfg: Any, scales: torch.Tensor
     bits = gathered(weight)  # FSDP2's fp8 all-gather made the cast already (``mixprec.fp8.fsdp``)
     if bits is not None:
         return (*bits, None)
-    caching = cfg.cache_weight and not torch.compiler.is_compiling()
+    # (a forward without grad is an evaluation, where a ``.data`` swap of weights is common: see above)
+    caching = cfg.cache_weight and torch.is_grad_enabled() and not torch.compiler.is_compiling()
     token = (weight._version, weight.data_ptr(), None if scales is None else scales._version) if caching else None
     held = layer.__dict__.get(ATTR)
     if held is not None and held[0] == token:
