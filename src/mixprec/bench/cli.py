@@ -56,11 +56,11 @@ def _check(args: argparse.Namespace) -> str | None:
         value = getattr(args, name)
         if value is not None and value < (0 if name == "warmup" else 1):
             return f"--{name.replace('_', '-')} must be >= {0 if name == 'warmup' else 1}, got {value}"
-    if args.budget_s is not None and args.budget_s <= 0:
+    if args.budget_s is not None and not args.budget_s > 0:  # (NaN too: it compares false to every time)
         return f"--budget-s must be > 0, got {args.budget_s}"
     if args.budget_s is not None and args.overhead:
         return "--budget-s applies to the recipe benchmark, not to --overhead"
-    if args.clip < 0:
+    if not args.clip >= 0:  # (NaN too: every variant's step would refuse it, after the warm-ups)
         return f"--clip must be >= 0 (0 turns clipping off), got {args.clip}"
     if args.plain and not args.overhead:
         return "--plain only applies with --overhead"
@@ -157,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
         for line in tables.roofline_lines(doc):
             console.print(line, highlight=False)
         settings = doc["settings"]
-        if settings["rounds_run"] < settings["rounds"]:
+        if settings["budget_s"] is not None and settings["rounds_run"] < settings["rounds"]:
             console.print(f"time budget: {settings['rounds_run']} of {settings['rounds']} rounds ran", highlight=False)
     if args.markdown:
         print(tables.markdown_table(headers, rows))

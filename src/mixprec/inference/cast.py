@@ -1,7 +1,8 @@
 """Cast a trained fp32 model for inference in bf16 or fp16, with the training recipes' fp32 rules.
 
 Two modes, both running the forward under ``torch.autocast(dtype)`` (set up by the model itself,
-so ``model(x)`` and ``model.generate(...)`` need no context around them):
+and by each submodule called on its own, so ``model(x)``, ``model.generate(...)`` and
+``model.model(...)`` need no context around them):
 
 - ``"storage"`` (the default, what a deployment does): parameters stored in 16 bits, smaller by
   about half; the ones the 16-bit storage recipe (``bf16-true`` / ``fp16-true``) keeps in fp32
@@ -126,10 +127,15 @@ class _LowPrecisionForward:
     ``inner`` is an instance ``forward`` the model already had (an island's wrapper when the model
     itself is an island), else the class's is called. ``__wrapped__`` lets
     ``inspect.signature(model.forward)`` (which Hugging Face's ``generate`` reads) see the real one.
+    The submodules' (``nested``) enter autocast only when it is not on in ``dtype`` already: called
+    from the model's forward they cost one check, called on their own (``model.model``,
+    ``model.get_encoder()``, a backbone) they compute in ``dtype`` as they do inside the model,
+    rather than in fp32 (autocast mode) or failing on 16-bit weights (storage mode).
     """
 
-    def __init__(self, module: nn.Module, dtype: torch.dtype, inner: Callable[..., Any] | None) -> None:
-        self.module, self.dtype, self.inner = module, dtype, inner
+    def __init__(self, module: nn.Module, dtype: torch.dtype, inner: Callable[..., Any] | None,
+                 nested: bool = False) -> None:
+        self.module, self.dtype, self.inner, self.nested = module, dtype, inner, nested
 
     @property
     def __wrapped__(self) -> Callable[..., Any]:
@@ -145,10 +151,31 @@ class _LowPrecisionForward:
         return "cpu"
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with torch.autocast(self.device_type(args, kwargs), dtype=self.dtype):
-            if self.inner is not None:
-                return self.inner(*args, **kwargs)
-            return type(self.module).forward(self.module, *args, **kwargs)
+        device_type = self.device_type(args, kwargs)
+        if self.nested and torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type) == self.dtype:
+            return self._run(args, kwargs)
+        with torch.autocast(device_type, dtype=self.dtype):
+            return self._run(args, kwargs)
+
+    def _run(self, args: tuple, kwargs: dict) -> Any:
+        if self.inner is not None:
+            return self.inner(*args, **kwargs)
+        return type(self.module).forward(self.module, *args, **kwargs)
+
+
+def _wrap_submodules(model: nn.Module, dtype: torch.dtype, islands: Sequence[str]) -> None:
+    """A nested ``_LowPrecisionForward`` on each submodule with a forward of its own and a floating
+    parameter in or below it, outside the fp32 islands (an island and what it calls stay fp32)."""
+    if "" in islands:  # the model itself is an island
+        return
+    for name, module in model.named_modules():
+        if module is model or type(module).forward is nn.Module.forward:
+            continue
+        if any(name == i or name.startswith(i + ".") for i in islands):
+            continue
+        if any(p.is_floating_point() for p in module.parameters()):
+            module.forward = _LowPrecisionForward(module, dtype, module.__dict__.get("forward"),  # type: ignore[method-assign]
+                                                  nested=True)
 
 
 def _check_model(model: nn.Module) -> None:
@@ -218,8 +245,10 @@ def cast_for_inference(
                     p.data = p.data.to(dt)  # the same Parameter object: tied weights stay tied
     else:
         kept = [n for n, _ in floating]
+    islands = island_names(out)
+    _wrap_submodules(out, dt, islands)
     out.forward = _LowPrecisionForward(out, dt, out.__dict__.get("forward"))  # type: ignore[method-assign]
-    info = CastInfo(dt, mode, recipe.name, tuple(island_names(out)), tuple(kept), len(floating), bytes_fp32,
+    info = CastInfo(dt, mode, recipe.name, tuple(islands), tuple(kept), len(floating), bytes_fp32,
                     _param_bytes(out))
     out._mixprec_inference = info  # type: ignore[attr-defined]
     return out

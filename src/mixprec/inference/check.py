@@ -89,7 +89,16 @@ class DtypeResult:
             "loss": None if self.loss is None else {"fp32": json_number(self.loss[0]),
                                                     self.dtype: json_number(self.loss[1])},
             "error": self.error,
+            "same_as_fp32": self.same_as_fp32,
         }
+
+    @property
+    def same_as_fp32(self) -> bool:
+        """Every compared output value equals fp32's bit for bit on every batch: no 16-bit rounding
+        reached the outputs (the cast kept what this forward computes in fp32), so an ``agree`` here
+        says nothing about 16-bit arithmetic."""
+        return self.error is None and any(o.compared for o in self.outputs) and all(
+            o.noise == 0.0 and o.nonfinite == 0 for o in self.outputs)
 
     def lines(self) -> list[str]:
         """What a reader needs below the table: the verdict with its reasons, and where it fails."""
@@ -97,6 +106,9 @@ class DtypeResult:
         out = [head + (f": {'; '.join(self.reasons)}" if self.reasons else "")]
         if self.error:
             out.append(f"  the {self.dtype} forward raised {self.error}")
+        if self.same_as_fp32:
+            out.append(f"  every {self.dtype} output equals fp32's bit for bit: no {self.dtype} rounding reached them "
+                       f"(what this forward computes was kept in fp32), so this verdict says nothing about {self.dtype}")
         if self.failure is not None:
             out.append("  " + self.failure.describe())
         if self.degradation is not None:
@@ -217,6 +229,8 @@ def check_inference(
         dtypes: ``"bf16"``, ``"fp16"``, ``"both"`` or a sequence of names.
         mode, fp32_modules, fp32_params: how to cast (``cast_for_inference``).
         forward: ``(model, inputs) -> outputs``; default ``model(**inputs)`` for a dict, else ``model(inputs)``.
+            On a cast it runs under ``torch.autocast`` to the cast's dtype (what it computes outside
+            the model's modules is 16-bit inference too).
         loss_fn: ``(outputs, targets) -> loss``: the mean loss in fp32 and in each dtype is reported.
         classes: which outputs hold class scores in the last dim (top-1, top-k): ``"auto"``, True,
             False / ``"none"``, or output names (``"logits"``; a lone tensor is ``"output"``).
@@ -235,6 +249,7 @@ def check_inference(
     fwd = forward or default_forward
     lows = {dt: cast_for_inference(model, dt, mode=mode, fp32_modules=fp32_modules, fp32_params=fp32_params)
             for dt in dts}
+    low_fwd = _under_autocast(fwd, _device_of(model).type)
     results = {NAMES[dt]: DtypeResult(NAMES[dt], mode, cast=cast_info(lows[dt])) for dt in dts}
     stats: dict[torch.dtype, dict[str, OutputStats]] = {dt: {} for dt in dts}
     losses: dict[Any, list[float]] = {dt: [] for dt in (None, *dts)}
@@ -259,8 +274,8 @@ def check_inference(
                     losses[None].append(_fp32_loss(loss_fn, ref_out, targets, i))
                 cls = _class_outputs(ref, classes)
                 for dt in dts:
-                    _compare_batch(results[NAMES[dt]], stats[dt], model, lows[dt], fwd, inputs, targets, ref, cls,
-                                   loss_fn, losses[dt], dt, i, topk, th, locate)
+                    _compare_batch(results[NAMES[dt]], stats[dt], model, lows[dt], fwd, low_fwd, inputs, targets, ref,
+                                   cls, loss_fn, losses[dt], dt, i, topk, th, locate)
     finally:
         model.train(was_training)
     if n == 0:
@@ -268,6 +283,15 @@ def check_inference(
     for dt in dts:
         _finish(results[NAMES[dt]], stats[dt], losses, dt, th, recorder)
     return InferenceReport(results, th, n, mode)
+
+
+def _under_autocast(fwd: Callable[[nn.Module, Any], Any], device_type: str) -> Callable[[nn.Module, Any], Any]:
+    """``fwd`` on a cast model, under autocast to its dtype: what a ``forward=`` computes outside the
+    model's modules (``F.linear(x, model.head.weight)``, a product of two outputs) is 16-bit inference too."""
+    def low_fwd(low: nn.Module, inputs: Any) -> Any:
+        with torch.autocast(device_type, dtype=cast_info(low).dtype):  # type: ignore[union-attr]
+            return fwd(low, inputs)
+    return low_fwd
 
 
 def _split(batch: Any, loss_fn: Any, i: int) -> tuple[Any, Any]:
@@ -300,13 +324,13 @@ def _fp32_loss(loss_fn: Callable[[Any, Any], torch.Tensor], out: Any, targets: A
 
 
 def _compare_batch(res: DtypeResult, st: dict[str, OutputStats], model: nn.Module, low: nn.Module,
-                   fwd: Callable[..., Any], inputs: Any, targets: Any, ref: dict[str, torch.Tensor], cls: set[str],
-                   loss_fn: Any, losses: list[float], dt: torch.dtype, i: int, topk: int,
+                   fwd: Callable[..., Any], low_fwd: Callable[..., Any], inputs: Any, targets: Any,
+                   ref: dict[str, torch.Tensor], cls: set[str], loss_fn: Any, losses: list[float], dt: torch.dtype, i: int, topk: int,
                    th: Thresholds, locate: bool) -> None:
     if res.error is not None:
         return
     try:
-        low_out = fwd(low, inputs)
+        low_out = low_fwd(low, inputs)
     except Exception as e:  # the 16-bit model does not run: the most broken of outcomes
         res.error = f"{type(e).__name__} on batch {i}: {e}"
         return
@@ -323,11 +347,11 @@ def _compare_batch(res: DtypeResult, st: dict[str, OutputStats], model: nn.Modul
             s = st[name] = OutputStats(name, tuple(r.shape), name in cls, topk, th.tie)
         s.add(r, got[name])
     if locate and res.failure is None and sum(s.nonfinite for s in st.values()) > before:
-        res.failure = locate_nonfinite(model, low, lambda: fwd(model, inputs), lambda: fwd(low, inputs), dt, i)
+        res.failure = locate_nonfinite(model, low, lambda: fwd(model, inputs), lambda: low_fwd(low, inputs), dt, i)
     elif locate and res.degradation is None and res.failure is None and i == 0:
         bad = [s for s in st.values() if s.worst_batch_sqnr < th.agree_sqnr_db]
         if bad:
-            res.degradation = locate_degradation(model, low, lambda: fwd(model, inputs), lambda: fwd(low, inputs),
+            res.degradation = locate_degradation(model, low, lambda: fwd(model, inputs), lambda: low_fwd(low, inputs),
                                                  th.agree_sqnr_db, i)
     if loss_fn is not None:
         try:

@@ -159,7 +159,7 @@ def _check(args: argparse.Namespace, task_kwargs: dict[str, Any], classes: Any, 
     torch.manual_seed(args.seed)
     model = task.build_model().to(device)
     if args.weights:
-        _load_weights(model, args.weights)
+        _load_weights(model, args.weights, err)
     if args.train_steps:
         if not args.json:
             err.print(f"[dim]... training {task.name} in fp32 for {args.train_steps} steps[/dim]")
@@ -184,7 +184,7 @@ def _check(args: argparse.Namespace, task_kwargs: dict[str, Any], classes: Any, 
     return report, task
 
 
-def _load_weights(model: Any, path: str) -> None:
+def _load_weights(model: Any, path: str, err: Any = None) -> None:
     import torch
 
     try:
@@ -208,6 +208,7 @@ def _load_weights(model: Any, path: str) -> None:
         state = state["model"]  # a checkpoint {"model": state_dict, "optimizer": ...}
     if not isinstance(state, dict):
         raise _Fail(f"--weights {path!r} holds a {type(state).__name__}, not a state_dict (save model.state_dict())")
+    state = _with_tied(model, state)
     misfit = _misfit(model.state_dict(), state)
     if misfit:
         raise _Fail(f"--weights {path!r} does not fit the task's model: {misfit}. The task's model must be built "
@@ -217,6 +218,47 @@ def _load_weights(model: Any, path: str) -> None:
     except RuntimeError as e:
         raise _Fail(f"--weights {path!r} does not fit the task's model: {' '.join(str(e).split())[:600]} "
                     "(the task's model must be built with the same shapes; see --task-arg)") from None
+    note = _not_fp32(model.state_dict(), state)
+    if note and err is not None:
+        err.print(f"note: --weights {path!r} {note}", markup=False, highlight=False, soft_wrap=True)
+
+
+def _with_tied(model: Any, state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` with the names of tied parameters it lacks (a safetensors file, ``save_pretrained``'s,
+    holds ``lm_head.weight`` tied to the embedding once) filled from the name it holds."""
+    names: dict[int, list[str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(n)
+    out = dict(state)
+    for group in names.values():
+        held = [n for n in group if n in state]
+        for n in group:
+            if held and n not in out:
+                out[n] = state[held[0]]
+    return out
+
+
+def _not_fp32(mine: dict[str, Any], theirs: dict[str, Any], shown: int = 3) -> str:
+    """What was said of floating tensors in ``theirs`` stored in another dtype than the model's fp32 ones
+    (load_state_dict casts them without a word): '' when there are none."""
+    import torch
+
+    other: dict[str, list[str]] = {}
+    for k, v in theirs.items():
+        want = mine.get(k)
+        if (isinstance(v, torch.Tensor) and v.is_floating_point() and isinstance(want, torch.Tensor)
+                and want.dtype == torch.float32 and v.dtype != torch.float32):
+            other.setdefault(str(v.dtype).replace("torch.", ""), []).append(k)
+    if not other:
+        return ""
+    parts = ", ".join(f"{len(names)} in {dt} ({', '.join(names[:shown])}{' ...' if len(names) > shown else ''})"
+                      for dt, names in other.items())
+    sixteen = any(dt in ("bfloat16", "float16") for dt in other)
+    return (f"holds floating tensors that are not fp32: {parts}; they were cast to the fp32 model's dtype, so the "
+            "fp32 reference is these values" + (" (already rounded to 16 bits: casting them to bf16 / fp16 loses "
+            "little or nothing, so the check is optimistic). If this is model.state_dict() of a 16-bit storage run "
+            "(bf16-true...), save its fp32 masters instead: torch.save(mp.fp32_state_dict(model), path)"
+            if sixteen else ""))
 
 
 def _not_torch_save(path: str) -> None:

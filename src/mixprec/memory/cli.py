@@ -52,11 +52,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
                      help="fsdp: weights, gradients, optimizer state and masters sharded over the ranks (FSDP2); "
                           "ddp: every rank holds all of it")
     act = parser.add_argument_group("activations of a GPT-style transformer (all five, or none)")
-    act.add_argument("--batch", type=int)
-    act.add_argument("--seq", type=int)
-    act.add_argument("--d-model", type=int)
-    act.add_argument("--layers", type=int)
-    act.add_argument("--heads", type=int)
+    act.add_argument("--batch", type=int, metavar="N", help="sequences per step (per micro-batch, per rank)")
+    act.add_argument("--seq", type=int, metavar="N", help="tokens per sequence")
+    act.add_argument("--d-model", type=int, metavar="N", help="hidden size (a multiple of --heads)")
+    act.add_argument("--layers", type=int, metavar="N", help="transformer blocks")
+    act.add_argument("--heads", type=int, metavar="N", help="attention heads")
     act.add_argument("--vocab", type=int, default=0, help="vocabulary size: adds the fp32 log-probabilities")
     act.add_argument("--attention", choices=("eager", "flash"), default="eager",
                      help="eager keeps heads*seq^2 softmax probabilities per sequence; flash does not")
@@ -170,6 +170,9 @@ def run(args: argparse.Namespace) -> int:
         TaskError = _NoTaskError  # noqa: N806 - nothing on this path raises a task error
 
     try:
+        if args.recipe != "all" and not split_names(args.recipe):
+            raise ValueError(f"--recipe {args.recipe!r} names no recipe; give names such as bf16-mixed,bf16-true, "
+                             "or all")
         from mixprec._env import workspace_mode
 
         workspace_mode()  # a bad MIXPREC_MASTER_WORKSPACE is said here, in one line
@@ -180,6 +183,9 @@ def run(args: argparse.Namespace) -> int:
         if any(given) and not all(given):
             missing = [f"--{f.replace('_', '-')}" for f, g in zip(_SHAPE, given) if not g]
             raise ValueError(f"the activation estimate needs all of --batch --seq --d-model --layers --heads; missing {' '.join(missing)}")
+        if args.vocab and not all(given):
+            raise ValueError(f"--vocab {args.vocab} is part of the activation estimate: give it with --batch --seq "
+                             "--d-model --layers --heads, or drop it")
         shape = TransformerShape(args.batch, args.seq, args.d_model, args.layers, args.heads, args.vocab,
                                  args.attention) if all(given) else None
         if args.params is not None and args.model is not None:

@@ -89,7 +89,8 @@ class StorageFacts:
             for the whole model).
         autocast: the forward casts fp32 weights to the compute dtype (mixed recipes).
         norm_bytes: bytes per element of the residual stream and norm inputs (fp32 under mixprec's
-            recipes: embeddings and norms stay fp32, so the residual sum stays fp32).
+            recipes: embeddings and norms stay fp32, so the residual sum stays fp32; the compute
+            bytes for a pure recipe without fp32 islands, fp16-pure, which keeps both in 16 bits).
         prob_bytes: bytes saved per attention probability (eager attention). None: the compute
             bytes, as on CPU. CUDA autocast runs softmax in fp32, which saves the fp32 output
             for softmax's backward and its 16-bit cast for the next matmul: 4 + compute bytes.
@@ -190,6 +191,8 @@ class TransformerShape:
         for field in ("batch", "seq", "d_model", "layers", "heads"):
             if getattr(self, field) < 1:
                 raise ValueError(f"transformer shape needs {field} >= 1, got {getattr(self, field)}")
+        if self.vocab < 0:
+            raise ValueError(f"transformer shape needs vocab >= 0 (0: no log-probabilities), got {self.vocab}")
         if self.attention not in ("eager", "flash"):
             raise ValueError(f"attention must be 'eager' or 'flash', got {self.attention!r}")
         if self.d_model % self.heads:
@@ -210,7 +213,8 @@ def activation_bytes(shape: TransformerShape, facts: StorageFacts) -> int:
     token ids and targets t*16. fp8 recipes: the fp8 linears save their inputs in fp8, so the 7 h-wide
     linear inputs of a layer (qkv, proj, MLP in and out) take 1 byte, not c, except the model's first
     linear (block 0's qkv), which the default rules keep in bf16 (the head is the last one). With c=2, r=2 and dropout this is Korthikanti et al. (2022)'s
-    34*s*b*h + 5*a*s**2*b; mixprec recipes keep the residual stream fp32 (r=4) and there is no dropout.
+    34*s*b*h + 5*a*s**2*b; mixprec recipes keep the residual stream fp32 (r=4; r=c for a pure recipe
+    without fp32 islands, fp16-pure) and there is no dropout.
     """
     t, h, c, r = shape.batch * shape.seq, shape.d_model, facts.compute_bytes, facts.norm_bytes
     probs = c if facts.prob_bytes is None else facts.prob_bytes
@@ -386,7 +390,8 @@ def facts_from_recipe(recipe: Any, device_type: str = "cpu") -> StorageFacts:
         bucket_numel=BUCKET_NUMEL if strategy else 0,
         autocast=bool(recipe.autocast),
         fp8=getattr(recipe, "fp8", None) is not None,
-        norm_bytes=4,
+        # a pure recipe without islands (fp16-pure) runs the residual stream and the norms in 16 bits
+        norm_bytes=compute_bytes if recipe.pure and not recipe.fp32_modules else 4,
         prob_bytes=4 + compute_bytes if device_type == "cuda" and recipe.autocast and compute_bytes < 4 else None,
         fsdp_refused=unsupported(recipe),
         kept_bytes=strategy.kept_bytes if strategy and device_type == "cpu" else 0,  # (CUDA's allocator keeps them)
