@@ -20,7 +20,9 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from mixprec import MixedPrecision  # noqa: E402
-from mixprec.integrations.transformers import STATE_FILE, _MixprecCheckpoints  # noqa: E402
+from mixprec.integrations.transformers import (  # noqa: E402
+    STATE_FILE, _MixprecCheckpoints, _read_state, _write_state,
+)
 
 RECIPES = ["fp32", "bf16-mixed", "fp16-mixed", "fp16-true", "bf16-true", "bf16-true-kahan", "bf16-true-sr",
            "bf16-true-remainder", "fp8-delayed", "fp8-current"]
@@ -40,15 +42,25 @@ def _trained(recipe, scale=2.0**16):
     return mp
 
 
+class _Resume:
+    """What ``MixprecTrainer.train(resume_from_checkpoint=folder)`` does with ``mixprec.pt``: read and check
+    it first (``_read_state``), load it as training begins (the callback's ``on_train_begin``)."""
+
+    def __init__(self, mp, folder) -> None:
+        self.mp, self.folder = mp, str(folder)
+
+    def on_train_begin(self, *args) -> None:
+        owner = types.SimpleNamespace(mp=self.mp, _mixprec_resume=_read_state(self.folder, self.mp))
+        _MixprecCheckpoints(owner).on_train_begin(*args)
+
+
 def _callback(mp, folder):
-    owner = types.SimpleNamespace(mp=mp, _mixprec_resume=str(folder))
-    return owner, _MixprecCheckpoints(owner)
+    return None, _Resume(mp, folder)
 
 
 def _save(mp, folder):
-    args = types.SimpleNamespace(output_dir=str(folder.parent))
-    state = types.SimpleNamespace(global_step=int(folder.name.rsplit("-", 1)[1]), is_world_process_zero=True)
-    _callback(mp, folder)[1].on_save(args, state, None)
+    """What the Trainer's checkpoint save does (``MixprecTrainerMixin._save_scaler``)."""
+    _write_state(str(folder), mp)
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

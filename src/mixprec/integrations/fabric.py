@@ -235,6 +235,14 @@ class MixprecFabricPrecision(FabricPrecision):
         return self.mp.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        saved = state_dict.get("recipe") if isinstance(state_dict, dict) else None
+        if saved is not None and saved != self.mp.recipe.name:
+            raise ValueError(
+                f"fabric.load: this checkpoint's mixprec state is of a run of recipe {saved!r}, and this plugin runs "
+                f"{self.mp.recipe.name!r}: its loss scaler and masters belong to {saved!r}. Resume with "
+                f"MixprecFabricPrecision({saved!r}), or start a new run from its weights: "
+                "fabric.load(path, {\"model\": model}, strict=False)."
+            )
         self.mp.load_state_dict(state_dict)
 
 

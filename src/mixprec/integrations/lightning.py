@@ -20,7 +20,9 @@ and so with the same numbers:
 - ``optimizer_step``: unscale, then Lightning's ``on_before_optimizer_step`` hooks and gradient
   clipping (``Trainer(gradient_clip_val=...)``: on the unscaled, fp32 master gradients), then
   step or skip, scale update, write-back;
-- ``state_dict``: the scaler's and masters' state in Lightning's checkpoints (resume is bitwise).
+- ``state_dict``: the scaler's and masters' state in Lightning's checkpoints (resume is bitwise);
+  ``on_load_checkpoint``: ``fit(ckpt_path=...)`` from a checkpoint without it, or of another recipe,
+  is refused; ``validate``/``test``/``predict`` take any checkpoint's weights.
 
 Gradient accumulation is Lightning's (``Trainer(accumulate_grad_batches=N)``; the plugin takes
 no ``accumulate=``). Each optimizer step's record (loss, scale, skipped, grad norm) goes to the
@@ -46,6 +48,7 @@ try:
     from lightning.pytorch.core.optimizer import LightningOptimizer
     from lightning.pytorch.plugins.precision import Precision
     from lightning.pytorch.strategies import SingleDeviceStrategy
+    from lightning.pytorch.trainer.states import TrainerFn
     from lightning.pytorch.utilities import GradClipAlgorithmType
 except ImportError as e:  # the extra is not installed
     raise ImportError(f"mixprec.integrations.lightning needs lightning ({e}): pip install \"mixprec[lightning]\"") from e
@@ -105,6 +108,7 @@ class MixprecPrecision(Precision):
         self._boundary = False  # the last backward ended the accumulation window
         self._ready = False  # boundary reached and gradients unscaled for the coming step
         self._grad_norm: torch.Tensor | None = None
+        self._load_state = True  # on_load_checkpoint: whether the checkpoint's mixprec state is loaded
 
     def __repr__(self) -> str:
         return f"MixprecPrecision({self.mp.recipe.name!r}, device={str(self.mp.device)!r})"
@@ -258,8 +262,40 @@ class MixprecPrecision(Precision):
     def state_dict(self) -> dict[str, Any]:
         return self.mp.state_dict()
 
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Before Lightning loads this plugin's state from ``ckpt_path``: resuming ``fit`` needs the
+        state of a run of the same recipe (else the scaler, the step count and the masters would
+        restart without a word); ``validate``/``test``/``predict`` use the weights only."""
+        self._load_state = True
+        key = type(self).__qualname__  # where Lightning keeps (and looks up) a precision plugin's state
+        fitting = self._trainer is None or self._trainer.state.fn == TrainerFn.FITTING
+        state = checkpoint.get(key)
+        if not fitting:
+            # the weights are the checkpoint's; the scaler and masters of a training run are not used
+            self._load_state = isinstance(state, dict) and state.get("recipe") == self.mp.recipe.name
+            return
+        if state is None:
+            masters = f" (and the fp32 masters of recipe {self.mp.recipe.name!r})" if self.mp.recipe.stores_16bit else ""
+            raise ValueError(
+                f"Trainer.fit(ckpt_path=...) resumes from a checkpoint that holds no {key} state: it was not "
+                f"saved by a run with this plugin, so the loss scaler and the step count{masters} cannot be "
+                "restored. Resume from a checkpoint a "
+                f"MixprecPrecision run saved, or start a new run from its weights: "
+                "model.load_state_dict(torch.load(path)['state_dict']) and Trainer.fit without ckpt_path."
+            )
+        saved = state.get("recipe") if isinstance(state, dict) else None
+        if saved != self.mp.recipe.name:
+            raise ValueError(
+                f"Trainer.fit(ckpt_path=...) resumes a run of recipe {saved!r} with MixprecPrecision("
+                f"{self.mp.recipe.name!r}): its loss scaler and masters belong to {saved!r}. Resume with "
+                f"MixprecPrecision({saved!r}), or start a new run from its weights "
+                "(model.load_state_dict(torch.load(path)['state_dict']), Trainer.fit without ckpt_path)."
+            )
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.mp.load_state_dict(state_dict)
+        load, self._load_state = self._load_state, True
+        if load:
+            self.mp.load_state_dict(state_dict)
 
 
 def check_version_of_lightning(check: bool = True) -> None:

@@ -27,8 +27,9 @@ methods (``MixprecTrainerMixin`` holds them, for your own ``Trainer`` subclass:
 - ``log``: ``mixprec/loss_scale`` (the last step's), ``mixprec/loss_scale_min`` and
   ``mixprec/skipped_steps`` (over the steps since the last log) join the Trainer's logs, and so
   every ``report_to`` integration (TensorBoard, W&B, MLflow); read back once per log, not per step;
-- checkpoints: ``mixprec.pt`` (scaler and masters) in each ``checkpoint-N`` folder, loaded on
-  ``train(resume_from_checkpoint=...)``.
+- checkpoints: ``mixprec.pt`` (scaler and masters) in each ``checkpoint-N`` folder, written with the
+  Trainer's own files (``_save_scaler``), before it deletes older checkpoints; read and checked by
+  ``train(resume_from_checkpoint=...)`` before the Trainer loads the checkpoint, applied as training begins.
 
 Refused with a message: ``TrainingArguments(fp16=True)`` / ``bf16=True`` (Accelerate's own mixed
 precision: mixprec runs the recipe), several processes, DeepSpeed, FSDP, ``model_init``.
@@ -53,6 +54,7 @@ from mixprec.integrations._common import (SkipAwareScheduler, check_version, loa
                                           save_atomically)
 from mixprec.integrations.records import StepWindow
 from mixprec.recipes import Recipe
+from mixprec.step_io import check_loadable
 from mixprec.training import MixedPrecision, StepStats
 
 #: the releases this integration is tested with: [minimum, below)
@@ -137,24 +139,63 @@ class _MixprecCheckpoints(TrainerCallback):
         self.owner = owner
 
     def on_save(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
+        # a full checkpoint has its mixprec.pt already (MixprecTrainerMixin._save_scaler, before the Trainer
+        # deletes older checkpoints); one of save_only_model (not resumable) gets it here
         folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
-        if os.path.isdir(folder) and state.is_world_process_zero:
-            save_atomically(self.owner.mp.state_dict(), os.path.join(folder, STATE_FILE))
+        if args.save_only_model and os.path.isdir(folder) and state.is_world_process_zero:
+            _write_state(folder, self.owner.mp)
 
     def on_train_begin(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
-        folder, self.owner._mixprec_resume = self.owner._mixprec_resume, None
-        if folder is None:
-            return
-        path = os.path.join(folder, STATE_FILE)
-        if not os.path.isfile(path):
-            raise FileNotFoundError(
-                f"resuming from {folder}, which has no {STATE_FILE}: it was not saved by a MixprecTrainer, so "
-                f"the loss scaler's state (and the fp32 masters of recipe {self.owner.mp.recipe.name!r}) "
-                "cannot be restored. Resume from a checkpoint a MixprecTrainer saved, or start afresh."
-            )
-        what = (f"it holds the loss scaler's state (and the fp32 masters of recipe {self.owner.mp.recipe.name!r}) "
-                f"that MixprecTrainer saved beside the checkpoint")
-        self.owner.mp.load_state_dict(load_state_file(path, self.owner.mp.device, what))
+        saved, self.owner._mixprec_resume = self.owner._mixprec_resume, None
+        if saved is not None:  # (read and checked by train(), before the Trainer loaded the checkpoint)
+            self.owner.mp.load_state_dict(saved)
+
+
+def _write_state(folder: str, mp: MixedPrecision) -> None:
+    """``mp.state_dict()`` as the checkpoint ``folder``'s ``mixprec.pt``, written aside and renamed into place."""
+    save_atomically(mp.state_dict(), os.path.join(folder, STATE_FILE))
+
+
+def _read_state(folder: str, mp: MixedPrecision) -> dict[str, Any]:
+    """The ``mixprec.pt`` of the checkpoint ``folder``, read and checked against ``mp`` (the recipe, the
+    scaler, the masters) before anything of the checkpoint is loaded; refused with what to do."""
+    path = os.path.join(folder, STATE_FILE)
+    if not os.path.isfile(path):
+        earlier = _last_with_state(os.path.dirname(os.path.abspath(folder)), below=folder)
+        raise FileNotFoundError(
+            f"resuming from {folder}, which has no {STATE_FILE}: it was not saved by a MixprecTrainer (or its "
+            f"save was interrupted), so the loss scaler's state (and the fp32 masters of recipe "
+            f"{mp.recipe.name!r}) cannot be restored. Resume from a checkpoint a MixprecTrainer saved"
+            + (f" ({earlier} has one)" if earlier else "") + ", or start afresh."
+        )
+    what = (f"it holds the loss scaler's state (and the fp32 masters of recipe {mp.recipe.name!r}) "
+            f"that MixprecTrainer saved beside the checkpoint")
+    saved = load_state_file(path, mp.device, what)
+    recipe = saved.get("recipe") if isinstance(saved, dict) else None
+    if recipe is not None and recipe != mp.recipe.name:
+        raise ValueError(
+            f"{folder} was saved by a run of recipe {recipe!r}; this MixprecTrainer runs {mp.recipe.name!r}. "
+            f"Resume with mixprec={recipe!r}, or start a new run from its weights (from_pretrained({folder!r}) "
+            "and train() without resume_from_checkpoint)."
+        )
+    check_loadable(mp, saved, True)
+    return saved
+
+
+def _last_with_state(output_dir: str, below: str) -> str | None:
+    """The newest ``checkpoint-N`` in ``output_dir`` before ``below`` that holds a ``mixprec.pt``."""
+    def number(name: str) -> int:
+        tail = name[len(PREFIX_CHECKPOINT_DIR) + 1:]
+        return int(tail) if name.startswith(PREFIX_CHECKPOINT_DIR + "-") and tail.isdigit() else -1
+
+    limit = number(os.path.basename(os.path.normpath(below)))
+    try:
+        names = os.listdir(output_dir)
+    except OSError:
+        return None
+    found = [n for n in names if -1 < number(n) < (limit if limit >= 0 else float("inf"))
+             and os.path.isfile(os.path.join(output_dir, n, STATE_FILE))]
+    return os.path.join(output_dir, max(found, key=number)) if found else None
 
 
 class MixprecTrainerMixin:
@@ -173,10 +214,11 @@ class MixprecTrainerMixin:
     def __init__(self, *args: Any, mixprec: str | Recipe | MixedPrecision = "auto",
                  mixprec_options: dict[str, Any] | None = None, check_version: bool = True, **kwargs: Any) -> None:
         check_versions(check_version)
-        if not all(callable(getattr(Trainer, n, None)) for n in ("_clip_grad_norm", "_get_grad_norm")):
+        if not all(callable(getattr(Trainer, n, None)) for n in ("_clip_grad_norm", "_get_grad_norm", "_save_scaler")):
             raise RuntimeError(  # (a release outside the tested range, with check_version=False)
-                "this transformers' Trainer has no _clip_grad_norm/_get_grad_norm, through which MixprecTrainer "
-                "clips once (mixprec's clip on the fp32 master gradients); use transformers "
+                "this transformers' Trainer has no _clip_grad_norm/_get_grad_norm/_save_scaler, through which "
+                "MixprecTrainer clips once (mixprec's clip on the fp32 master gradients) and saves mixprec.pt "
+                "into each checkpoint; use transformers "
                 f"{TESTED_TRANSFORMERS[0]}+ (below {TESTED_TRANSFORMERS[1]})")
         args, kwargs, targs = _with_training_args(args, kwargs)
         _refuse_args(targs)
@@ -200,7 +242,7 @@ class MixprecTrainerMixin:
         self._window = StepWindow()  # read back when the Trainer logs
         self._window_loss: torch.Tensor | None = None
         self._grad_norm: torch.Tensor | None = None
-        self._mixprec_resume: str | None = None
+        self._mixprec_resume: dict[str, Any] | None = None  # mixprec.pt, read by train()
         self.add_callback(_MixprecCheckpoints(self))
 
     def _refuse_setup(self) -> None:
@@ -296,12 +338,22 @@ class MixprecTrainerMixin:
             logs.update(window)
         super().log(logs, *args, **kwargs)  # type: ignore[misc]
 
+    def _save_scaler(self, output_dir: str) -> None:
+        """The Trainer saves its scaler into each checkpoint (after the optimizer, before its state and
+        before it deletes older checkpoints): mixprec's scaler and masters go there as ``mixprec.pt``, so
+        a save that dies leaves the previous, complete checkpoint in place."""
+        super()._save_scaler(output_dir)  # type: ignore[misc]
+        if self.args.should_save:
+            _write_state(output_dir, self.mp)
+
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         if resume_from_checkpoint is True:
             resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
             if resume_from_checkpoint is None:
                 raise ValueError(f"no checkpoint found in output directory {self.args.output_dir!r}")
-        self._mixprec_resume = resume_from_checkpoint or None
+        self._mixprec_resume = None
+        if resume_from_checkpoint and os.path.isdir(resume_from_checkpoint):  # (else the Trainer says it is missing)
+            self._mixprec_resume = _read_state(resume_from_checkpoint, self.mp)
         return super().train(resume_from_checkpoint, *args, **kwargs)  # type: ignore[misc]
 
 
