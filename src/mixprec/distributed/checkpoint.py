@@ -116,6 +116,37 @@ def _state_on_every_rank(root: Path, model: nn.Module, opts: Sequence[torch.opti
     return state  # type: ignore[return-value]
 
 
+def _require_same_replicas(root: Path, state: dict[str, Any]) -> None:
+    """Several ranks, and a model ``mp`` did not prepare with ``parallel=``: DCP writes a plain tensor
+    once, rank 0's, taking the ranks to hold the same one. Every plain tensor (and blob) of ``state``
+    they all have is compared bitwise (a digest per entry, one ``all_gather_object``); if they differ,
+    every rank raises the same ``CheckpointError`` before anything is written. (Keys that only some
+    ranks hold, a pipeline stage's, are their own; DTensors are shards.)"""
+    import hashlib
+
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    flat, _ = flatten_state_dict(state)
+    mine: dict[str, str] = {}
+    for key, value in flat.items():
+        if isinstance(value, torch.Tensor) and not hasattr(value, "to_local"):
+            t = value.detach().cpu().contiguous()
+            data = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+            mine[key] = hashlib.sha1(repr((t.dtype, tuple(t.shape))).encode() + data).hexdigest()
+        elif isinstance(value, bytes):
+            mine[key] = hashlib.sha1(value).hexdigest()
+    gathered = _all_gather(mine)
+    differ = sorted(k for k in mine if len({g.get(k, mine[k]) for g in gathered}) > 1)
+    if differ:
+        shown = ", ".join(differ[:3]) + (f" and {len(differ) - 3} more" if len(differ) > 3 else "")
+        raise CheckpointError(
+            f"saving into {root}: the {len(gathered)} ranks hold different values of {shown}, and a checkpoint keeps "
+            "one copy of a replicated tensor (rank 0's): the ranks trained apart (or keep state of their own). "
+            "This MixedPrecision did not prepare the model for several ranks: use mp.prepare(model, "
+            f"parallel='ddp' or 'fsdp') so that they train one model. Nothing was written: {root}/latest still "
+            "names the previous checkpoint")
+
+
 def _agreed(fn: Callable[..., Any], *args: Any) -> Any:
     """``fn(*args)`` on every rank; if it raised on any rank, every rank raises the same
     ``CheckpointError`` (a collective: no rank goes on while another stopped)."""
@@ -308,6 +339,8 @@ def save_checkpoint(path: str | Path, *, model: nn.Module, optimizer: Any, mp: A
         mp._dist.require_consistent()
     root, (rank, world) = Path(path), _rank_world()
     state = _state_on_every_rank(root, model, opts, mp, scheduler)  # (raises inside an accumulation window)
+    if mp._dist is None and world > 1:  # (the same on every rank: a collective)
+        _require_same_replicas(root, state)
     save_id = _on_rank0(lambda: layout.begin(root), f"preparing {root}")
     tmp = root / f"{layout.TMP}{save_id}"
     layout._fault_point("save:begin")
@@ -316,7 +349,16 @@ def save_checkpoint(path: str | Path, *, model: nn.Module, optimizer: Any, mp: A
         storage = checkpoint_io.writer(tmp)  # (sizes and CRC-32 computed as the files are written)
         _dcp(dcp.save, state, tmp, storage_writer=storage)
         layout._fault_point("save:written")
-        for part in _all_gather(checkpoint_io.digests(storage, tmp, layout.files_of_rank(tmp, rank))):
+        mine, problem = None, None
+        try:  # (an OSError reading a file back: said on every rank, or the others' next collectives pair wrongly)
+            mine = checkpoint_io.digests(storage, tmp, layout.files_of_rank(tmp, rank))
+        except Exception as e:  # noqa: BLE001
+            problem = f"{type(e).__name__}: {_first_line(e)}"
+        gathered = _all_gather((mine, problem))
+        found = [(r, p) for r, (_, p) in enumerate(gathered) if p]
+        if found:
+            raise CheckpointError("; ".join(f"on rank {r}: {p}" for r, p in found))
+        for part, _ in gathered:
             files.update(part)
     except (CheckpointError, RuntimeError) as e:  # (RuntimeError: a collective failed, another rank stopped?)
         raise CheckpointError(f"saving into {tmp} failed {_describe_failure(e)}. Nothing was published: "

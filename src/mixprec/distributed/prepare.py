@@ -42,6 +42,7 @@ def plug(model: nn.Module, spec: Any, local: Local) -> Plugged:
     _broadcast_from_rank0(model, group)  # the same starting point everywhere (FSDP2 does not broadcast)
     if isinstance(cfg, DDP):
         wrapped, inner = wrap_ddp(local, model, cfg)
+        _share_random_streams(local.masters, group)
         strategy = Parallel(cfg, wrapped, inner, group, accumulate=local.accumulate, device=local.device,
                             masters=local.masters is not None)
         return Plugged(wrapped, strategy, local.masters)
@@ -196,6 +197,25 @@ def _broadcast_from_rank0(model: nn.Module, group: Any) -> None:
     with torch.no_grad():
         for t in [*model.parameters(), *model.buffers()]:
             dist.broadcast(t.data, src=src, group=group)
+
+
+def _share_random_streams(masters: Any, group: Any) -> None:
+    """Rank 0's random generators for the masters on every rank (stochastic rounding draws its bits
+    from them). Every replica rounds the same averaged update, so the bits must be the same: a
+    generator seeded from ``torch.initial_seed()`` on ranks seeded ``manual_seed(seed + rank)`` (for
+    their dropout) would round each replica its own way, and the replicas would drift apart silently."""
+    generators = getattr(masters, "generators", None)
+    if not generators:
+        return
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    mine = [generators[key] for key in sorted(generators)]  # (by order: cuda:0 on rank 0 is cuda:1 on rank 1)
+    states = [[g.get_state() for g in mine]]
+    dist.broadcast_object_list(states, src=src, group=group)
+    if len(states[0]) != len(mine):  # (the ranks agreed on the recipe and the device type: not expected)
+        raise ParallelError(f"rank 0 rounds stochastically with {len(states[0])} random generator(s) and this rank "
+                            f"with {len(mine)}: give every rank one device of the same kind")
+    for g, state in zip(mine, states[0]):
+        g.set_state(state)
 
 
 def _default_mesh(device: torch.device) -> Any:
