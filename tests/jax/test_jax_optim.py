@@ -147,7 +147,7 @@ def test_no_loss_scale_still_skips_non_finite_steps():
 
 
 def test_loss_scale_of_finds_the_state_inside_a_chain():
-    tx = optax.chain(mpj.skip_nonfinite(optax.sgd(0.1), "fp16-mixed"), optax.scale(1.0))  # outermost first: see nesting
+    tx = optax.chain(mpj.skip_nonfinite(optax.sgd(0.1), "fp16-mixed"))  # alone: with others beside it, refused (nesting)
     state = tx.init({"w": jnp.ones(2)})
     assert float(mpj.loss_scale_of(state).loss_scale) == 2.0**16
     with pytest.raises(ValueError, match="holds no skip_nonfinite state"):

@@ -317,6 +317,16 @@ class DynamicLossScale:
     hysteresis_left: Any = None
 
     def __post_init__(self) -> None:
+        value = self.loss_scale
+        if isinstance(value, (str, bytes, bool, np.bool_, list, tuple, dict)) or value is None:
+            raise TypeError(
+                f"DynamicLossScale: loss_scale must be a float scalar or array, e.g. jnp.float32(2**15), got "
+                f"{type(value).__name__} {value!r}"
+            )
+        if isinstance(value, int):
+            # a Python int (2**15) counts as float32, as for scale/unscale: int32 arithmetic in adjust wrapped the
+            # grown scale past 2**31 to a negative number, then to 0 (every later step unscaled by 1/0)
+            object.__setattr__(self, "loss_scale", np.asarray(value, np.float32))
         warn_if_not_floating(self.loss_scale, "loss_scale")
         warn_if_not_floating(self.min_loss_scale, "min_loss_scale")
         _static(self.min_loss_scale, "DynamicLossScale", "min_loss_scale")
@@ -391,7 +401,8 @@ class DynamicLossScale:
         grown = scale * self.factor
         if self.max_loss_scale is not None:
             grown = jnp.minimum(grown, jnp.asarray(np.asarray(self.max_loss_scale), dtype))
-        grown = jnp.where(jnp.isfinite(grown), grown, scale)  # never grow into inf
+        # never grow into inf, nor (an integer scale, which jmp only warns about) wrap past its dtype's maximum
+        grown = jnp.where(jnp.isfinite(grown) & (grown >= scale), grown, scale)
         lowered = jnp.maximum(floor, scale / self.factor)
         hysteresis_left = self.hysteresis_left
         if self.hysteresis > 1:

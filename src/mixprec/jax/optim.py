@@ -72,6 +72,12 @@ def _check_scale_value(scale: LossScale) -> None:
     value = scale.loss_scale
     if isinstance(value, jax.core.Tracer):
         return
+    if isinstance(scale, DynamicLossScale) and not jnp.issubdtype(jnp.result_type(value), jnp.floating):
+        raise TypeError(
+            f"skip_nonfinite: the DynamicLossScale's loss_scale is {jnp.result_type(value)}; it must be a float (an integer "
+            "scale halves by truncation and its growth stops at the integer maximum). Start from e.g. "
+            "DynamicLossScale(jnp.float32(2**16))"
+        )
     v = np.asarray(value, dtype=np.float64)
     if not (np.isfinite(v).all() and (v > 0).all()):
         raise ValueError(
@@ -92,6 +98,32 @@ def _check_inner(inner: Any) -> None:
             f"skip_nonfinite wraps an optax GradientTransformation (with init and update), got {type(inner).__name__}; "
             "e.g. skip_nonfinite(optax.adamw(3e-4), 'fp16-mixed')"
         )
+
+
+def _check_matches_params(grads: Any, params: Any) -> None:
+    """The gradients must have the parameters' leaves and shapes: a stateless inner optimizer (sgd) returned updates
+    of a gradient's shape for a missing or misshapen one without a word (``apply_updates`` then broadcast a ``(1,)``
+    update over a parameter), a stateful one failed in a tree_map deep inside optax. Checked when tracing (once per
+    compilation under ``jit``); the node types may differ (a ``FrozenDict`` of gradients for a dict of parameters)."""
+    if params is None:
+        return
+    flat_g, flat_p = jax.tree_util.tree_flatten_with_path(grads)[0], jax.tree_util.tree_flatten_with_path(params)[0]
+    g = {jax.tree_util.keystr(k) or "(root)": v for k, v in flat_g}
+    p = {jax.tree_util.keystr(k) or "(root)": v for k, v in flat_p}
+    if g.keys() != p.keys():
+        missing, extra = [k for k in p if k not in g], [k for k in g if k not in p]
+        what = "; ".join(part for part in (missing and f"no gradient for {', '.join(missing[:5])}",
+                                           extra and f"gradients for {', '.join(extra[:5])}, which are not parameters") if part)
+        raise ValueError(
+            f"skip_nonfinite: the gradients do not match the parameters ({what}): pass update(grads, state, params) the "
+            "gradient of the loss with respect to exactly these parameters, e.g. jax.grad(loss_fn)(params)"
+        )
+    for name, leaf in g.items():
+        if jnp.shape(leaf) != jnp.shape(p[name]):
+            raise ValueError(
+                f"skip_nonfinite: the gradient {name} has shape {list(jnp.shape(leaf))}, its parameter "
+                f"{list(jnp.shape(p[name]))}: pass the gradient with respect to these parameters"
+            )
 
 
 def _commit_or_identity(commit: jax.Array, u: Any) -> Any:
@@ -151,7 +183,7 @@ def skip_nonfinite(
             accumulation = Accumulation(zeros, jnp.zeros([], jnp.int32), jnp.ones([], jnp.bool_))
         return SkipNonFiniteState(
             inner_state=inner.init(params),
-            loss_scale=initial_scale,
+            loss_scale=_fresh(initial_scale),
             skips=jnp.zeros([2], jnp.int32),
             accumulation=accumulation,
         )
@@ -163,6 +195,7 @@ def skip_nonfinite(
             )
         if (state.accumulation is None) != (every_k == 1):
             raise ValueError(f"skip_nonfinite(every_k={every_k}) got a state made by a wrapper with another every_k")
+        _check_matches_params(updates, params)
         grads = state.loss_scale.unscale(updates)
         finite = all_finite(grads, axis_name)
         acc = state.accumulation
@@ -204,6 +237,13 @@ def skip_nonfinite(
 
     init._mixprec_skip_nonfinite = True  # type: ignore[attr-defined]  # is_skip_nonfinite
     return optax.GradientTransformationExtraArgs(init, update)
+
+
+def _fresh(scale: LossScale) -> LossScale:
+    """The loss scale with its jax arrays copied: a state is the owner of its buffers. Handed out as given, every
+    ``init`` shared the scale's arrays, so a jitted step with ``donate_argnums`` deleted them on its first call and each
+    later ``init`` (the ``like`` of a resume, a restart) returned a state of deleted arrays."""
+    return jax.tree_util.tree_map(lambda x: jnp.copy(x) if isinstance(x, jax.Array) else x, scale)
 
 
 def is_skip_nonfinite(tx: Any) -> bool:

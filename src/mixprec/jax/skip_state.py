@@ -106,7 +106,7 @@ MULTISTEPS_MESSAGE = (
 
 def loss_scale_of(state: Any) -> LossScale:
     """The loss scale to multiply the next loss by, from an optimizer state holding a ``skip_nonfinite`` state
-    (directly, or inside ``optax.chain``/``inject_hyperparams`` states)."""
+    (directly, or nested in another state, e.g. an ``optax.chain``'s)."""
     return _find_state(state).loss_scale
 
 
