@@ -21,7 +21,7 @@ import torch
 import mixprec
 from mixprec.comparison.runner import ProgressFn, RunResult, RunStartFn, check_task, run_plan, time_interleaved
 from mixprec.instruments.machine import environment
-from mixprec.comparison.verdict import Band, Verdict, VerdictRule, fp32_band, judge
+from mixprec.comparison.verdict import Band, Verdict, VerdictRule, fp32_band, identical_to_reference, judge
 from mixprec.recipes import Recipe, as_device, resolve_recipe
 from mixprec.tasks import Task, load_task
 
@@ -163,6 +163,8 @@ class ComparisonResult:
                 "center": self.band.center.tolist(),
                 "width": self.band.width.tolist(),
                 "noise_gap": self.band.noise_gap.tolist(),
+                "seeds_identical": self.band.seeds_identical,
+                "warning": self.band.warning,
             },
             "runs": [r.to_dict() for r in self.runs],
             "files": dict(self.files),
@@ -184,8 +186,13 @@ def _resolve_all(recipes: Sequence[str | Recipe], device: torch.device) -> list[
         recipes = [recipes]
     resolved: list[Recipe] = []
     asked: dict[str, str] = {}  # recipe name -> the first spelling that named it
+    failed: list[Exception] = []
     for spec in recipes:
-        recipe = resolve_recipe(spec, device)
+        try:
+            recipe = resolve_recipe(spec, device)
+        except (ValueError, TypeError) as e:  # every bad name said at once, not one per run
+            failed.append(e)
+            continue
         first = asked.setdefault(recipe.name, spec if isinstance(spec, str) else recipe.name)
         if isinstance(spec, str) and spec != first:  # 'fp8' and 'fp8-current': one recipe, one row, said
             warnings.warn(f"{first!r} and {spec!r} name the same recipe ({recipe.name}): it runs once, in one row",
@@ -200,6 +207,12 @@ def _resolve_all(recipes: Sequence[str | Recipe], device: torch.device) -> list[
             )
         if all(r.name != recipe.name for r in resolved):
             resolved.append(recipe)
+    if len(failed) > 1:
+        heads = [str(e).split(" Expected one of")[0].rstrip(".") for e in failed]  # (the list of names once)
+        tail = str(failed[0])[len(heads[0]):].lstrip(".")
+        raise type(failed[0])(f"{len(failed)} recipes cannot run: {'; '.join(heads)}.{tail}") from failed[0]
+    if failed:
+        raise failed[0]
     if not resolved:
         raise ValueError("compare needs at least one recipe, e.g. recipes=('bf16-mixed',)")
     return resolved
@@ -351,6 +364,7 @@ def _judge(runs: list[RunResult], candidates: Sequence[Recipe], seeds: int,
            rule: VerdictRule) -> tuple[dict[str, Verdict], Band | None]:
     verdicts: dict[str, Verdict] = {}
     band: Band | None = None
+    by_name = {r.name: r for r in candidates}
     for run in runs:
         if run.role != "candidate" and not np.isfinite(run.loss).all():
             # check 1 of the debugging order: if fp32 is not finite either, the precision is not the fault
@@ -360,8 +374,21 @@ def _judge(runs: list[RunResult], candidates: Sequence[Recipe], seeds: int,
             band = fp32_band(runs[0].loss, [r.loss for r in runs[1:] if r.role == "noise"], rule)
         if run.role == "candidate":
             assert band is not None
-            verdicts[run.recipe] = judge(run, band)
+            low = _low_precision(by_name[run.recipe])
+            same = identical_to_reference(run, runs[0].loss, low) if low else None
+            verdicts[run.recipe] = same if same is not None else judge(run, band)
     return verdicts, band
+
+
+def _low_precision(recipe: Recipe) -> str | None:
+    """The precision below fp32 a recipe computes or stores in ("bf16", "fp16", "fp8"); None for one that is
+    all fp32 (a jmp policy such as p=f32,c=f32,o=f32 reproduces fp32 exactly, as it should)."""
+    if recipe.fp8 is not None:
+        return "fp8"
+    for dtype in (recipe.policy.compute_dtype, recipe.policy.param_dtype):
+        if dtype in (torch.float16, torch.bfloat16):
+            return "fp16" if dtype == torch.float16 else "bf16"
+    return None
 
 
 @contextlib.contextmanager

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 import numpy as np
@@ -150,6 +150,12 @@ def check_task(task: Task) -> None:
             draws.append([_call_get_batch(task, step) for step in (0, 1)])
     finally:
         torch.random.set_rng_state(state)
+    meta = _meta_tensor(draws[0])
+    if meta is not None:
+        raise TaskError(
+            f"task {task.name!r}: get_batch(0) returned a tensor on the meta device ({meta}), which holds no data; "
+            "return real tensors (on the CPU: compare moves them to --device)"
+        )
     if not _same_nest(draws[0], draws[1]):
         raise TaskError(
             f"task {task.name!r}: get_batch(step) returned different batches under different global seeds. "
@@ -170,13 +176,21 @@ def _call_get_batch(task: Task, step: int) -> tuple[Any, Any]:
     return batch[0], batch[1]
 
 
+def _meta_tensor(batch: Any) -> str | None:
+    """A description of the first tensor on the meta device in a nest, else None."""
+    if isinstance(batch, torch.Tensor):
+        return f"{tuple(batch.shape)} {str(batch.dtype).removeprefix('torch.')}" if batch.is_meta else None
+    items = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (list, tuple)) else ()
+    return next((m for m in map(_meta_tensor, items) if m is not None), None)
+
+
 def _same_nest(a: Any, b: Any) -> bool:
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return (
             isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
-            and a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a, b))
+            and a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and bool(torch.equal(a, b))
         )
-    if isinstance(a, dict) and isinstance(b, dict):
+    if isinstance(a, Mapping) and isinstance(b, Mapping):  # dicts, and a Hugging Face BatchEncoding (not a dict)
         return a.keys() == b.keys() and all(_same_nest(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return len(a) == len(b) and all(_same_nest(x, y) for x, y in zip(a, b))
@@ -290,6 +304,7 @@ def run_recipe(
     check_every = 1 if dev.type == "cpu" else 10  # a CPU read is free; on CUDA it is a sync
     timer.mark()
     for step in range(steps if refused is None else 0):
+        inputs = None
         try:
             inputs, targets = _call_get_batch(task, step)
             if parallel:
@@ -305,6 +320,14 @@ def run_recipe(
             if role == "candidate":
                 error = RunError(label, step, e)
                 break
+            if step == 0 and task.forward is None and isinstance(inputs, Mapping):
+                # model(inputs) with a dict of inputs: a Hugging Face model wants model(**inputs)
+                raise TaskError(
+                    f"task {task.name!r}, step 0 under {name!r}: {type(e).__name__}: {e}. The inputs are a mapping "
+                    f"({sorted(map(str, inputs))}) and the task has no forward, so the model was called as "
+                    "model(inputs); for a model that takes them as keywords set Task(forward=lambda model, batch: "
+                    "model(**batch))"
+                ) from e
             if step == 0 and isinstance(e, (TypeError, ValueError)):
                 # the first step of the reference run: the task does not fit the protocol
                 raise TaskError(f"task {task.name!r}, step 0 under {name!r}: {type(e).__name__}: {e}") from None

@@ -176,6 +176,21 @@ class Band:
     width: np.ndarray
     noise_gap: np.ndarray  # the largest smoothed seed-to-seed gap, before factor and floor
     rule: VerdictRule
+    #: every fp32 run from another seed had the reference's losses bit for bit: the model does not depend on
+    #: the seed, no noise was measured, and the band is only its floor (every verdict judged on it says so)
+    seeds_identical: bool = False
+
+    @property
+    def warning(self) -> str | None:
+        """What every verdict judged on this band must say (None: nothing)."""
+        if not self.seeds_identical:
+            return None
+        return (
+            "the fp32 runs from other seeds had the same losses as seed 0 bit for bit (the model does not depend on "
+            "torch.manual_seed: does build_model reseed, or load fixed weights?), so no noise was measured and the "
+            f"band is only its floor, {self.rule.floor:.0%} of the loss; make the initialisation follow the seed "
+            "for a measured band."
+        )
 
     @property
     def lower(self) -> np.ndarray:
@@ -197,7 +212,8 @@ def fp32_band(reference: np.ndarray, noise: Sequence[np.ndarray], rule: VerdictR
     gaps = np.max([np.abs(ema(c[:n], r.span) - center) for c in noise], axis=0)
     noise_gap = rolling_max(gaps, r.span)
     width = np.maximum(r.factor * noise_gap, r.floor * np.abs(center))
-    return Band(center, width, noise_gap, r)
+    identical = all(np.array_equal(np.asarray(c[:n]), np.asarray(reference[:n])) for c in noise)
+    return Band(center, width, noise_gap, r, seeds_identical=identical)
 
 
 def first_run(mask: np.ndarray, length: int, start: int = 0) -> int | None:
@@ -231,8 +247,25 @@ def scale_summary(run: Curves) -> dict[str, Any] | None:
 def judge(candidate: Curves, band: Band) -> Verdict:
     """Apply the band's rule to one candidate run; its ``notes`` lead the message (every report shows them)."""
     v = _judge(candidate, band)
-    notes = getattr(candidate, "notes", ())
+    notes = tuple(getattr(candidate, "notes", ())) + ((band.warning,) if band.warning else ())
     return dataclasses.replace(v, message=" ".join(f"WARNING: {n}" for n in notes) + f" {v.message}") if notes else v
+
+
+def identical_to_reference(candidate: Curves, reference_loss: np.ndarray, low: str) -> Verdict | None:
+    """UNJUDGED when a recipe that should compute in ``low`` precision (``"bf16"``, ``"fp16"``, ``"fp8"``)
+    reproduced the fp32 reference's losses bit for bit at every step: nothing of the run computed in
+    ``low``, so the comparison tested nothing (a TRACKS would be vacuous). None otherwise."""
+    loss = np.asarray(candidate.loss, dtype=np.float64)
+    ref = np.asarray(reference_loss, dtype=np.float64)
+    if candidate.error is not None or len(loss) != len(ref) or not len(loss) or not np.array_equal(loss, ref):
+        return None
+    return Verdict(
+        candidate.label, candidate.recipe, "UNJUDGED",
+        f"its loss equals fp32's bit for bit at all {len(loss)} steps: nothing of this run computed in {low} (does the "
+        f"model turn autocast off, or cast its activations and weights to float32 inside forward?), so {candidate.recipe} "
+        "was not tested here; let the model's matmuls run under the recipe's autocast, or compare a model that does",
+        scale=scale_summary(candidate),
+    )
 
 
 def _judge(candidate: Curves, band: Band) -> Verdict:

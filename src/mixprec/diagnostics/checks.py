@@ -23,7 +23,7 @@ from mixprec.diagnostics.probes.gradients import GradUnderflowReport
 from mixprec.diagnostics.probes.fp8 import ALARM_DB, WARN_DB, worst
 from mixprec.diagnostics.probes.updates import UpdateVanishingReport
 from mixprec.fp8 import CastStats
-from mixprec.formats import get_format, short_name
+from mixprec.formats import get_format, is_floating_16bit, short_name
 from mixprec.recipes import Recipe
 
 MATH_DOMAIN = ("log-of-zero", "log-of-negative", "division-by-zero", "sqrt-of-negative", "sqrt-of-zero")
@@ -244,6 +244,13 @@ def check_activation_range(ev: Evidence) -> Finding:
         return Finding("activation-range", title, "skipped", ev.errors.get("activations", "not measured"))
     rep = ev.activations
     if not rep.entries:
+        if is_floating_16bit(ev.recipe.policy.compute_dtype):  # a 16-bit recipe that ran nothing in 16 bits
+            return Finding("activation-range", title, "warn",
+                           f"nothing of this model ran in {ev.compute_fmt} under {ev.recipe.name} (no module computed "
+                           "in 16 bits: the forward turned autocast off, cast its inputs back to fp32, or every "
+                           "module is kept in fp32), so these checks judged fp32 arithmetic, not the recipe's",
+                           fix="let the forward run under mp.autocast(): remove autocast(enabled=False) and .float() "
+                               "casts from the model's forward, or name fewer fp32 islands", cause="no-16-bit-compute")
         return Finding("activation-range", title, "ok", "nothing runs in 16 bits under this recipe")
     flagged = rep.flagged()
     evidence = tuple(f"{e.label}: largest |x| {e.absmax:.4g} in fp32 ({e.headroom_bits:+.1f} bits of headroom below "

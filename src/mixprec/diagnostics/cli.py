@@ -21,6 +21,7 @@ exit status: 0 nothing alarming, 1 alarming findings, 2 the task or options coul
 examples:
   mixprec doctor
   mixprec doctor --task mypkg.tasks:make_task --recipe fp16-mixed --out doctor-report
+  mixprec doctor --task-arg d_model=64 --task-arg n_layer=4 --recipe bf16-true
   mixprec doctor --task tests.diagnostics.zoo:make_log_zero --json
 """
 
@@ -28,6 +29,8 @@ examples:
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--task", default=None, metavar="MODULE:FN",
                         help="task factory (default: the built-in char-level GPT)")
+    parser.add_argument("--task-arg", action="append", default=[], metavar="KEY=VALUE",
+                        help="keyword argument for the task factory (repeatable), e.g. d_model=64")
     parser.add_argument("--recipe", default="fp16-mixed",
                         help="recipe to examine (default fp16-mixed; any name from 'mixprec recipes' or a jmp policy)")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
@@ -39,7 +42,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import json
     import traceback
 
     from rich.console import Console
@@ -50,12 +52,16 @@ def run(args: argparse.Namespace) -> int:
     from mixprec.report.terminal import make_console
     from mixprec.tasks import TaskError
 
+    from mixprec.arguments import parse_task_args
+
     err = Console(stderr=True)
     progress = None if args.json else (lambda msg: err.print(f"[dim]... {msg}[/dim]"))
     try:
         if args.out:
             check_out_dir(args.out)  # before the runs: a bad --out should not cost them
-        report = doctor(args.task, args.recipe, args.device, steps=args.steps, seed=args.seed, progress=progress)
+        task_kwargs = parse_task_args(args.task_arg)
+        report = doctor(args.task, args.recipe, args.device, steps=args.steps, seed=args.seed, progress=progress,
+                        task_kwargs=task_kwargs)
     except (TaskError, ValueError, RuntimeError, FileExistsError, PermissionError) as e:
         message, cause = str(e), e.__cause__
         # mixprec.tasks' messages point at compare's help, which compare shares; here doctor's says the same
@@ -76,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     except OSError as e:  # checked before the runs, so something changed since: still show the findings
         written, write_error = {}, f"the report could not be written to {args.out!r}: {e}"
     if args.json:
-        print(json.dumps(report.to_dict(), indent=2, default=str))
+        print(report.to_json())
     else:
         from mixprec.diagnostics.doctor_report import renderables
 

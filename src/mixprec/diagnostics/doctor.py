@@ -36,7 +36,7 @@ from mixprec.diagnostics.probes.updates import probe_update_vanishing
 from mixprec.islands import is_norm, looks_like_norm
 from mixprec.masters import fp32_param_names
 from mixprec.recipes import as_device, resolve_recipe
-from mixprec.tasks import Task, load_task, to_device
+from mixprec.tasks import Task, TaskError, load_task, to_device
 
 #: at most this many steps past ``steps`` while the scaler is still halving down from its initial
 #: scale (every step skipped for a backward overflow, the forward finite): 2^16 -> 2^0
@@ -131,6 +131,7 @@ def doctor(
     steps: int = 3,
     seed: int = 0,
     progress: Callable[[str], None] | None = None,
+    task_kwargs: dict[str, Any] | None = None,
 ) -> DoctorReport:
     """Run the mixed-precision checklist on ``task`` (default: the built-in char-level GPT).
 
@@ -142,11 +143,14 @@ def doctor(
         steps: steps under the recipe (the loss-scale check needs a few; more on a GPU is cheap).
         seed: model initialisation seed (the same for every run).
         progress: called with a line before each stage (the CLI prints them).
+        task_kwargs: keyword arguments for the task factory (``--task-arg KEY=VALUE``).
     """
     t0 = time.perf_counter()
     say = progress or (lambda _msg: None)
     dev = as_device(device)
-    the_task = load_task(task)
+    if isinstance(task, Task) and task_kwargs:
+        raise ValueError("task_kwargs go to a task factory; a ready Task takes none (pass its factory instead)")
+    the_task = load_task(task, **(task_kwargs or {}))
     rec = resolve_recipe(recipe, dev)
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be a positive integer, got {steps!r}")
@@ -156,6 +160,12 @@ def doctor(
         say(f"ran {run.settle_steps} more step(s) until the loss scale settled (the scaler skipped every step before)")
     say("running the same step in fp32")
     f32 = run_steps(the_task, "fp32", dev, steps=1, seed=seed) if rec.name != "fp32" else run
+    if f32.error is not None:  # the task itself does not train (a loss that is no tensor, a shape error): no finding
+        raise TaskError(
+            f"task {the_task.name!r}: its step fails in plain fp32 ({f32.error}"
+            + (f", raised at {f32.error_at}" if f32.error_at else "") + "), so there is no mixed-precision question "
+            "to examine yet; make the task train in plain fp32 first"
+        )
     ev = Evidence(rec, run, f32)
     if rec.stores_16bit:  # which parameters the recipe's rule keeps in fp32 (not at risk of vanishing)
         torch.manual_seed(seed)

@@ -62,12 +62,28 @@ class DoctorReport:
             "errors": ev.errors,
         }
 
+    def to_json(self, indent: int | None = 2) -> str:
+        """``to_dict`` as strict JSON: a NaN or infinite number (a loss, a gradient norm) is ``null``, as in
+        ``compare.json`` (``NaN`` is not JSON: jq-less parsers, browsers and ``JSON.parse`` refuse it)."""
+        return json.dumps(_strict(self.to_dict()), indent=indent, default=str, allow_nan=False)
+
     def render_text(self, width: int = 100) -> str:
         return render_text(self, width)
 
     def write(self, out_dir: str | Path) -> dict[str, Path]:
         """Write ``doctor.html``, ``doctor.json`` and the PNG figures into ``out_dir``."""
         return write_report(self, Path(out_dir))
+
+
+def _strict(obj: Any) -> Any:
+    """``obj`` with every non-finite float replaced by None (and tuples as lists), for strict JSON."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _strict(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_strict(v) for v in obj]
+    return obj
 
 
 _STYLE = {"alarm": "bold red", "warn": "bold yellow", "info": "cyan", "ok": "green", "skipped": "dim"}
@@ -236,7 +252,7 @@ def write_report(report: "DoctorReport", out_dir: Path) -> dict[str, Path]:
             page.pre("\n".join(f.evidence))
     contents = {name: png for name, (png, _) in figs.items()}
     contents["doctor.html"] = page.render().encode("utf-8")
-    contents["doctor.json"] = json.dumps(report.to_dict(), indent=2, default=str).encode("utf-8")
+    contents["doctor.json"] = report.to_json().encode("utf-8")
     out_dir.mkdir(parents=True, exist_ok=True)
     # an earlier doctor's figure this run has none of would sit beside the new report as if it were its
     # own (check_out_dir made sure that files of our names there are an earlier doctor's): it leaves too

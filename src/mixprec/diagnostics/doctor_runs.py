@@ -52,6 +52,7 @@ class RunResult:
     loss_dtype: torch.dtype | None = None
     scalar_modules: list[tuple[str, str, torch.dtype]] = dataclasses.field(default_factory=list)
     error: str | None = None
+    error_at: str | None = None  # where the task's own code raised it ("file:line in function"), when it did
     seconds: float = 0.0
     skipped: list[bool] = dataclasses.field(default_factory=list)  # per step: the scaler skipped it
     settle_steps: int = 0  # steps run past ``steps`` until the loss scale had settled (see run_steps)
@@ -156,6 +157,20 @@ def _unsettled(result: RunResult) -> bool:
     return bool(result.skipped) and all(result.skipped) and result.finite and not result.faults
 
 
+def _task_frame(e: BaseException) -> str | None:
+    """The innermost frame of ``e``'s traceback in the task's own code (not torch's, not mixprec's), as
+    ``file:line in function``; None when the task's code is not on it (mixprec refused what it returned)."""
+    import traceback
+    from pathlib import Path
+
+    import mixprec
+
+    libs = tuple(str(Path(m.__file__).parent) for m in (torch, mixprec) if m.__file__)
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if not f.filename.startswith(libs)
+              and not f.filename.startswith("<")]
+    return f"{frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else None
+
+
 def run_steps(task: Task, recipe: str, device: torch.device, *, steps: int, seed: int = 0,
               settle: int = 0) -> RunResult:
     """Train ``steps`` steps of ``task`` under ``recipe``, watched. Never raises for the model's faults.
@@ -196,6 +211,7 @@ def run_steps(task: Task, recipe: str, device: torch.device, *, steps: int, seed
         result.model, result.mp = model, mp
     except Exception as e:  # the user's model may fail in any way; doctor reports it
         result.error = f"{type(e).__name__}: {e}"
+        result.error_at = _task_frame(e)
         result.events = list(guard.events) if "guard" in locals() else []
     finally:
         for h in handles:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -67,11 +67,22 @@ class TaskError(ValueError):
 
 
 def to_device(obj: Any, device: torch.device) -> Any:
-    """Move tensors in a nest of lists/tuples/dicts to ``device``."""
+    """Move tensors in a nest of lists/tuples/named tuples/mappings to ``device``.
+
+    A mapping keeps its type where its constructor takes a dict (a Hugging Face ``BatchEncoding``, an
+    ``OrderedDict``), else it becomes a dict; a named tuple stays that named tuple."""
     if isinstance(obj, torch.Tensor):
         return obj.to(device, non_blocking=True)
-    if isinstance(obj, dict):
-        return {k: to_device(v, device) for k, v in obj.items()}
+    if isinstance(obj, Mapping):
+        moved = {k: to_device(v, device) for k, v in obj.items()}
+        if type(obj) is dict:
+            return moved
+        try:
+            return type(obj)(moved)
+        except Exception:  # a mapping type that cannot be rebuilt from a dict: its contents, moved
+            return moved
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a named tuple takes its fields as arguments
+        return type(obj)(*(to_device(v, device) for v in obj))
     if isinstance(obj, (list, tuple)):
         return type(obj)(to_device(v, device) for v in obj)
     return obj
