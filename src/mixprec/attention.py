@@ -13,6 +13,11 @@ the forward (about a microsecond each; the attention product is the only one it 
 it when the forward returns. Backward needs nothing: the casts are differentiable, so the product's
 backward runs in fp32 too. The numbers differ from the 16-bit product's by its rounding: fp32 is the
 more exact of the two (tests/test_attention.py, against float64).
+
+Only ``F.scaled_dot_product_attention`` is routed. A model whose 16-bit forward calls none (eager
+attention written with matmul and softmax, Hugging Face's ``attn_implementation="eager"``) keeps
+its attention as the recipe computes it: ``"fp32"`` then warns once, and ``mp.describe()`` says so
+(checked in eager forwards; a compiled forward is not watched).
 """
 
 from __future__ import annotations
@@ -66,6 +71,10 @@ class _AttentionMode(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         if func is not _SDPA:
+            owner = self.owner
+            if owner.watching and not owner.sixteen and not torch.compiler.is_compiling():  # (until a product is seen)
+                owner.sixteen = torch.is_autocast_enabled(owner.device.type) and torch.get_autocast_dtype(
+                    owner.device.type) in (torch.bfloat16, torch.float16)
             return func(*args, **(kwargs or {}))
         return self.owner.attend(func, args, kwargs or {})
 
@@ -79,14 +88,39 @@ class AttentionForward:
         self.module, self.policy, self.device = module, check_mode(policy), device
         self.choices: dict[tuple, str] = {}  # signature -> "fp32" / "recipe", as decided
         self.calls = {"fp32": 0, "recipe": 0}
+        # Until a 16-bit product is seen: a 16-bit forward without one (eager attention written
+        # with matmul and softmax, a custom kernel) leaves the attention as the recipe computes it:
+        # said (a warning for "fp32", and in describe()), never passed off as fp32 attention.
+        self.watching, self.missed = True, 0
+        self.sixteen = False  # did this forward run a torch call under 16-bit autocast? (while watching)
+
+    def _forward_ended(self) -> None:
+        if not self.watching or not self.sixteen or sum(self.calls.values()):
+            return
+        self.missed += 1
+        if self.policy == "fp32" and self.missed == 1:
+            import warnings
+
+            warnings.warn(
+                f"mixprec: attention='fp32' was asked for, but a 16-bit forward of {type(self.module).__name__} "
+                "called no F.scaled_dot_product_attention: its attention (eager matmul and softmax, or a custom "
+                "kernel) runs as the recipe computes it, not in fp32. Use an SDPA attention (Hugging Face: "
+                "attn_implementation='sdpa'), or make the attention modules fp32 islands (fp32_modules=[...])",
+                UserWarning, stacklevel=3)
 
     @property
     def __wrapped__(self) -> Any:  # inspect.signature(model.forward) sees the model's own
         return self.inner if self.inner is not None else type(self.module).forward.__get__(self.module)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.watching or torch.compiler.is_compiling():  # (a compiled graph is not watched)
+            with _AttentionMode(self):
+                return self.__wrapped__(*args, **kwargs)
+        self.sixteen = False
         with _AttentionMode(self):
-            return self.__wrapped__(*args, **kwargs)
+            out = self.__wrapped__(*args, **kwargs)
+        self._forward_ended()
+        return out
 
     def attend(self, func: Any, args: tuple, kwargs: dict) -> Any:
         bound = dict(zip(_ARGS, args), **kwargs)
@@ -99,6 +133,7 @@ class AttentionForward:
             low = q.dtype
         if low not in (torch.bfloat16, torch.float16) or not isinstance(q, torch.Tensor):
             return func(*args, **kwargs)
+        self.watching = False
         choice = "fp32"
         if self.policy == "fastest":
             sig = signature(q, bound["key"], bound["value"], low, bound.get("attn_mask"),
@@ -117,6 +152,9 @@ class AttentionForward:
         return out.to(low)
 
     def describe(self) -> str:
+        if self.watching and self.missed:
+            return (f"attention: {self.policy} asked, but {self.missed} 16-bit forward(s) called no "
+                    "F.scaled_dot_product_attention: attention ran as the recipe computes it")
         if self.policy == "fp32":
             return "attention: fp32 (F.scaled_dot_product_attention on fp32 copies of q, k, v)"
         if not self.choices:

@@ -19,7 +19,10 @@ capability on CUDA) and by what was measured: another torch, another thread coun
 measures again, it never reuses a number taken elsewhere. Writes go to a temporary file in the same
 directory, then replace the cache (``os.replace``: atomic; a process killed mid-write leaves the old
 file). A file that is not valid JSON, or not this schema, is ignored with one warning (and replaced
-at the next write), never a crash. A measurement taken while the machine is busier than it has CPUs
+at the next write), never a crash; so is an entry whose times are not positive numbers (measured
+again). A cache that cannot be written is said once, and ``mp.recipe.reason`` says "not cached".
+Two processes measuring at once each write a whole file (the last one wins; an entry the other
+wrote meanwhile may be lost, and is measured again at its next use). A measurement taken while the machine is busier than it has CPUs
 (the 1-minute load average) decides for that process only and is not cached: on a shared machine
 it may measure the others more than this one. Each arm's time is its fastest of several
 interleaved rounds (interference only adds time). ``MIXPREC_AUTOTUNE=off`` measures nothing (``auto`` then follows
@@ -91,9 +94,13 @@ def mode() -> str:
 
 
 def cache_path() -> Path:
-    base = os.environ.get(ENV_DIR) or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "mixprec")
-    return Path(base) / "autotune.json"
+    """Absolute: a relative ``MIXPREC_CACHE_DIR`` is taken from the working directory once, not per
+    call; a relative ``XDG_CACHE_HOME`` is ignored (the XDG spec's rule), as it would follow the cwd."""
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    if not xdg or not os.path.isabs(xdg):
+        xdg = os.path.join(os.path.expanduser("~"), ".cache")
+    base = os.path.expanduser(os.environ.get(ENV_DIR) or "") or os.path.join(xdg, "mixprec")
+    return Path(os.path.abspath(base)) / "autotune.json"
 
 
 _WARNED: set[tuple[str, str]] = set()  # (read / write, path): each problem said once
@@ -131,15 +138,34 @@ def _write(path: Path, entries: dict[str, Any]) -> None:
     write_aside(path, lambda f: f.write(text.encode("utf-8")), tmp_name=f".autotune-{uuid.uuid4().hex[:8]}.tmp")
 
 
-def lookup(what: str, device: torch.device, measure: Callable[[], dict[str, Any]]) -> tuple[dict[str, Any], str]:
+def _positive(v: Any, finite: bool = True) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 and (not finite or v != float("inf"))
+
+
+def _valid(result: Any, keys: dict[str, bool]) -> bool:
+    """Does a cached ``result`` hold every key of ``keys`` as a time in seconds (> 0; finite where
+    ``keys`` says True)? A hand-edited or foreign entry that does not is measured again."""
+    return isinstance(result, dict) and all(_positive(result.get(k), finite) for k, finite in keys.items())
+
+
+def lookup(what: str, device: torch.device, measure: Callable[[], dict[str, Any]],
+           keys: dict[str, bool] | None = None) -> tuple[dict[str, Any], str]:
     """The cached result of ``measure`` for ``what`` on this machine, measuring (and caching) it
-    when there is none; and where it came from ("cached", "measured", or why it was not cached)."""
+    when there is none; and where it came from ("cached", "measured", or why it was not cached).
+    A cached entry whose result lacks a time of ``keys`` (name -> must be finite) is measured again,
+    with one warning: a decision is never taken from a number that is not one."""
     path, machine = cache_path(), machine_key(device)
     key = f"{machine} || {what}"
     refresh = mode() == "refresh"
     hit = None if refresh else _MEMO.get((str(path), machine, what))
     if hit is None and not refresh:
         hit = _read(path).get(key)
+        if hit is not None and not (isinstance(hit, dict) and _valid(hit.get("result"), keys or {})):
+            if ("entry", str(path)) not in _WARNED:
+                _WARNED.add(("entry", str(path)))
+                warnings.warn(f"mixprec: ignoring a malformed entry of the autotune cache {path} ({what}: "
+                              f"{str(hit)[:120]}); measuring again (the entry is replaced)", RuntimeWarning, stacklevel=4)
+            hit = None
     if isinstance(hit, dict) and "result" in hit:
         _MEMO[(str(path), machine, what)] = hit
         return hit["result"], "cached"
@@ -151,7 +177,7 @@ def lookup(what: str, device: torch.device, measure: Callable[[], dict[str, Any]
         # about this machine, and a cached one would decide every later run. Used here, not kept.
         return result, f"measured on a busy machine (load {entry['load']:.1f} on {os.cpu_count()} CPUs), not cached"
     try:
-        entries = _read(path)
+        entries = {k: v for k, v in _read(path).items() if isinstance(v, dict)}  # (a foreign entry goes)
         entries[key] = entry
         if len(entries) > MAX_ENTRIES:  # the oldest go first
             for old in sorted(entries, key=lambda k: str(entries[k].get("measured")))[:len(entries) - MAX_ENTRIES]:
@@ -162,6 +188,7 @@ def lookup(what: str, device: torch.device, measure: Callable[[], dict[str, Any]
             _WARNED.add(("write", str(path)))
             warnings.warn(f"mixprec: cannot write the autotune cache {path} ({e}); the measurement holds for this "
                           f"process only. Set {ENV_DIR} to a writable directory.", RuntimeWarning, stacklevel=3)
+        return result, f"not cached: cannot write {path} ({e.strerror or e})"
     return result, "measured"
 
 
@@ -217,7 +244,11 @@ def measure_compute(device: torch.device) -> dict[str, Any]:
         x.grad = w.grad = None
 
     with torch.enable_grad(), torch._C.DisableTorchFunction():
-        t = _timeit({"fp32": fp32, "bf16": bf16}, device)
+        try:
+            t = _timeit({"fp32": fp32, "bf16": bf16}, device)
+        except RuntimeError as e:  # a build whose bf16 kernels cannot run here: fp32 it is, and said
+            return {"fp32_s": _timeit({"fp32": fp32}, device)["fp32"], "bf16_s": float("inf"),
+                    "bf16_error": f"{type(e).__name__}: {str(e)[:200]}", "workload": "linear 512x256->1024 fwd+bwd"}
     return {"fp32_s": t["fp32"], "bf16_s": t["bf16"], "workload": "linear 512x256->1024 fwd+bwd"}
 
 
@@ -271,10 +302,12 @@ def compute_choice(device: torch.device) -> tuple[str, str] | None:
     if mode() == "off":
         return None
     res, how = lookup("compute: bf16 autocast vs fp32, linear 512x256->1024 fwd+bwd", device,
-                      lambda: MEASURE["compute"](device))
+                      lambda: MEASURE["compute"](device), keys={"fp32_s": True, "bf16_s": False})
     gain = res["fp32_s"] / res["bf16_s"]
     choice = "bf16-mixed" if gain >= MIN_GAIN else "fp32"
     where = f"cache: {cache_path()}" if how in ("measured", "cached") else how
+    if res.get("bf16_error"):
+        return "fp32", f"bf16 autocast could not run here ({res['bf16_error']}) ({where})"
     return choice, (f"bf16 autocast {'measured earlier' if how == 'cached' else 'measured'} {gain:.2f}x as fast "
                     f"as fp32 on a 512x256x1024 linear, forward and backward, at {torch.get_num_threads()} thread(s) "
                     f"({where})")
@@ -285,7 +318,8 @@ def attention_choice(sig: tuple, device: torch.device) -> str:
     machine runs faster, measured (and cached) the first time. With measuring off: "recipe"."""
     if mode() == "off":
         return "recipe"
-    res, _ = lookup(f"attention: sdpa {sig}", device, lambda: MEASURE["attention"](sig, device))
+    res, _ = lookup(f"attention: sdpa {sig}", device, lambda: MEASURE["attention"](sig, device),
+                    keys={"low_s": False, "fp32_s": True})
     return "fp32" if res["low_s"] / res["fp32_s"] >= MIN_GAIN else "recipe"
 
 

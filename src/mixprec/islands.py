@@ -266,7 +266,8 @@ def keep_fp32(
     """Make every submodule matching ``rules`` an fp32 island; returns their qualified names.
 
     A module inside an island is not made an island again (the outer one already covers it).
-    Raises ValueError if a name in ``rules`` matches nothing (a typo would otherwise pass silently).
+    Raises ValueError if a name in ``rules`` matches nothing (a typo would otherwise pass silently);
+    warns when a class or a predicate matches nothing, or the ``"norms"`` family misses a likely norm.
     """
     rules = as_rules(rules)
     modules = list(model.named_modules())  # pre-order: parents before children
@@ -281,6 +282,13 @@ def keep_fp32(
     for i, r in enumerate(rules):
         if r == "norms" and i not in matched:
             warn_unmatched_norms(model, "fp32 islands")
+        elif not isinstance(r, str) and i not in matched:  # a class or a predicate: said, not raised
+            what = f"class {r.__module__}.{r.__qualname__}" if isinstance(r, type) else f"predicate {r!r}"
+            warnings.warn(
+                f"fp32 island rule ({what}) matches no submodule of {type(model).__name__}: it makes no island. "
+                "Check the class (the same class object the model uses) or the predicate's (name, module) test",
+                UserWarning, stacklevel=2,
+            )
     chosen: list[str] = []  # islands that match the rules (made now or earlier)
     covered: list[str] = []  # every island: modules inside one need no island of their own
     for (name, module), hit in zip(modules, hits):

@@ -46,7 +46,8 @@ def run(args: argparse.Namespace) -> int:
             }
         )
     if args.json:
-        print(json.dumps({"recipes": rows, "auto": {"recipe": auto.name, "reason": auto.reason}}, indent=2))
+        print(json.dumps({"recipes": rows, "auto": {"recipe": auto.name, "attention": auto.attention,
+                                                     "reason": auto.reason}}, indent=2))
         return 0
     from rich.table import Table
 
@@ -65,5 +66,6 @@ def run(args: argparse.Namespace) -> int:
     for row in rows:
         console.print(f"  [bold]{row['name']}[/bold]: {row['description']}")
     console.print("Any jmp policy string also works, e.g. 'p=f32,c=bf16,o=f32'.")
-    console.print(f"[bold]auto[/bold] -> {auto.name}: {auto.reason.removeprefix('auto: ')}")
+    attention = "" if auto.attention == "recipe" else f" (attention: {auto.attention})"
+    console.print(f"[bold]auto[/bold] -> {auto.name}{attention}: {auto.reason.removeprefix('auto: ')}")
     return 0
