@@ -43,6 +43,7 @@ def test_a_negative_vocabulary_is_refused():
     (["--params", "7B", "--recipe", "fp32", "--batch", "1", "--seq", "4", "--d-model", "8", "--layers", "1",
       "--heads", "2", "--vocab", "-5"], "vocab >= 0"),
     (["--params", "7B", "--vocab", "32000"], "--vocab 32000 is part of the activation estimate"),  # else ignored
+    (["--params", "7B", "--attention", "flash"], "--attention flash is part of the activation estimate"),  # else ignored
 ])
 def test_arguments_that_plan_nothing_exit_2_with_one_line(argv, message, capsys):
     assert main(["memory", *argv]) == 2

@@ -58,8 +58,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     act.add_argument("--layers", type=int, metavar="N", help="transformer blocks")
     act.add_argument("--heads", type=int, metavar="N", help="attention heads")
     act.add_argument("--vocab", type=int, default=0, help="vocabulary size: adds the fp32 log-probabilities")
-    act.add_argument("--attention", choices=("eager", "flash"), default="eager",
-                     help="eager keeps heads*seq^2 softmax probabilities per sequence; flash does not")
+    act.add_argument("--attention", choices=("eager", "flash"), default=None,
+                     help="eager (the default) keeps heads*seq^2 softmax probabilities per sequence; flash does not")
     meas = parser.add_argument_group("measurement")
     meas.add_argument("--measure", action="store_true",
                       help="run one real step of the task (--model, or the built-in char GPT) and show measured bytes")
@@ -186,8 +186,11 @@ def run(args: argparse.Namespace) -> int:
         if args.vocab and not all(given):
             raise ValueError(f"--vocab {args.vocab} is part of the activation estimate: give it with --batch --seq "
                              "--d-model --layers --heads, or drop it")
+        if args.attention is not None and not all(given):
+            raise ValueError(f"--attention {args.attention} is part of the activation estimate: give it with --batch "
+                             "--seq --d-model --layers --heads, or drop it")
         shape = TransformerShape(args.batch, args.seq, args.d_model, args.layers, args.heads, args.vocab,
-                                 args.attention) if all(given) else None
+                                 args.attention or "eager") if all(given) else None
         if args.params is not None and args.model is not None:
             raise ValueError("give --params or --model, not both")
         if args.params is not None:
