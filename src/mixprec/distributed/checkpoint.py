@@ -118,21 +118,26 @@ def _state_on_every_rank(root: Path, model: nn.Module, opts: Sequence[torch.opti
 
 def _require_same_replicas(root: Path, state: dict[str, Any]) -> None:
     """Several ranks, and a model ``mp`` did not prepare with ``parallel=``: DCP writes a plain tensor
-    once, rank 0's, taking the ranks to hold the same one. Every plain tensor (and blob) of ``state``
-    they all have is compared bitwise (a digest per entry, one ``all_gather_object``); if they differ,
+    once, rank 0's, taking the ranks to hold the same one. Every plain tensor (and blob) of the model's
+    and mixprec's parts of ``state`` they all have is compared bitwise (a digest per entry, one ``all_gather_object``); if they differ,
     every rank raises the same ``CheckpointError`` before anything is written. (Keys that only some
     ranks hold, a pipeline stage's, are their own; DTensors are shards.)"""
     import hashlib
 
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
-    flat, _ = flatten_state_dict(state)
+    # The model's tensors and mixprec's (scale, steps, masters) are compared, not the optimizer's
+    # state: replicas that trained apart differ in their weights already, and the optimizer state
+    # (two fp32 moments per parameter under Adam) would more than double the bytes read per save.
+    flat, _ = flatten_state_dict({k: v for k, v in state.items() if k in ("model", "mixprec")})
     mine: dict[str, str] = {}
     for key, value in flat.items():
         if isinstance(value, torch.Tensor) and not hasattr(value, "to_local"):
             t = value.detach().cpu().contiguous()
-            data = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
-            mine[key] = hashlib.sha1(repr((t.dtype, tuple(t.shape))).encode() + data).hexdigest()
+            digest = hashlib.sha1(repr((t.dtype, tuple(t.shape))).encode())
+            if t.numel():
+                digest.update(t.reshape(-1).view(torch.uint8).numpy())  # (the bytes in place, not a copy)
+            mine[key] = digest.hexdigest()
         elif isinstance(value, bytes):
             mine[key] = hashlib.sha1(value).hexdigest()
     gathered = _all_gather(mine)
