@@ -66,9 +66,9 @@ def _saved(tmp_path, name, plugin, Regression, data, trainer):
 
 
 def test_lightning_resume_from_a_checkpoint_without_mixprec_state_is_refused(tmp_path):
+    Regression, data, trainer = _lightning()  # (first: it skips without the lightning extra)
     from mixprec.integrations.lightning import MixprecPrecision
 
-    Regression, data, trainer = _lightning()
     plain = _saved(tmp_path, "plain", None, Regression, data, trainer)
     plugin = MixprecPrecision("fp16-mixed")
     with pytest.raises(ValueError, match=r"holds no MixprecPrecision state: .* the loss scaler and the step count "
@@ -78,9 +78,9 @@ def test_lightning_resume_from_a_checkpoint_without_mixprec_state_is_refused(tmp
 
 
 def test_lightning_resume_with_another_recipe_names_the_checkpoints_recipe(tmp_path):
+    Regression, data, trainer = _lightning()  # (first: it skips without the lightning extra)
     from mixprec.integrations.lightning import MixprecPrecision
 
-    Regression, data, trainer = _lightning()
     ckpt = _saved(tmp_path, "bf16", MixprecPrecision("bf16-true"), Regression, data, trainer)
     with pytest.raises(ValueError, match=r"resumes a run of recipe 'bf16-true' with MixprecPrecision\('fp16-mixed'\)"
                                          r".* Resume with MixprecPrecision\('bf16-true'\)"):
@@ -94,9 +94,9 @@ def test_lightning_resume_with_another_recipe_names_the_checkpoints_recipe(tmp_p
 
 @pytest.mark.parametrize("saved_with", [None, "bf16-true"])
 def test_lightning_validate_from_any_checkpoint_runs_the_plugins_recipe(saved_with, tmp_path):
+    Regression, data, trainer = _lightning()  # (first: it skips without the lightning extra)
     from mixprec.integrations.lightning import MixprecPrecision
 
-    Regression, data, trainer = _lightning()
     ckpt = _saved(tmp_path, "run", MixprecPrecision(saved_with) if saved_with else None, Regression, data, trainer)
     plugin = MixprecPrecision("fp16-mixed")
     model = Regression()
