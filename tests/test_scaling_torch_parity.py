@@ -594,11 +594,17 @@ def test_setters_refuse_what_the_constructor_refuses(setter, value):
     mixprec.GradScaler("cpu").load_state_dict(s.state_dict())  # still loadable
 
 
-def test_update_with_new_scale_still_records_a_skipped_step():
+def _scaled_once():
+    """A scaler at 8 and one scaled backward of an SGD model, before step."""
     s = mixprec.GradScaler("cpu", init_scale=8.0)
     w = torch.nn.Parameter(torch.ones(2))
     opt = torch.optim.SGD([w], lr=0.1)
     s.scale(w.sum()).backward()
+    return s, w, opt
+
+
+def test_update_with_new_scale_still_records_a_skipped_step():
+    s, w, opt = _scaled_once()
     w.grad[0] = float("inf")
     assert s.step(opt) is None
     s.update(4.0)
@@ -614,10 +620,7 @@ def test_update_with_new_scale_still_records_a_skipped_step():
 
 
 def test_update_with_a_refused_new_scale_records_nothing_and_can_be_retried():
-    s = mixprec.GradScaler("cpu", init_scale=8.0)
-    w = torch.nn.Parameter(torch.ones(2))
-    opt = torch.optim.SGD([w], lr=0.1)
-    s.scale(w.sum()).backward()
+    s, w, opt = _scaled_once()
     w.grad[0] = float("nan")
     s.step(opt)
     with pytest.raises(ScalerConfigError, match="new_scale must be a finite float > 0"):

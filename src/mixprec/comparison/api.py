@@ -22,6 +22,7 @@ import mixprec
 from mixprec.comparison.runner import ProgressFn, RunResult, RunStartFn, check_task, run_plan, time_interleaved
 from mixprec.instruments.machine import environment
 from mixprec.comparison.verdict import Band, Verdict, VerdictRule, fp32_band, identical_to_reference, judge
+from mixprec.formats import is_floating_16bit
 from mixprec.recipes import Recipe, as_device, resolve_recipe
 from mixprec.tasks import Task, load_task
 
@@ -386,7 +387,7 @@ def _low_precision(recipe: Recipe) -> str | None:
     if recipe.fp8 is not None:
         return "fp8"
     for dtype in (recipe.policy.compute_dtype, recipe.policy.param_dtype):
-        if dtype in (torch.float16, torch.bfloat16):
+        if is_floating_16bit(dtype):
             return "fp16" if dtype == torch.float16 else "bf16"
     return None
 

@@ -53,7 +53,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.formats import get_format
+from mixprec.formats import get_format, is_floating_16bit
 from mixprec.islands import warn_unmatched_norms
 from mixprec.masters import buckets as _layout
 from mixprec.masters.buckets import (
@@ -69,7 +69,7 @@ from mixprec.masters.buckets import (
     _Workspace,
 )
 from mixprec.masters.gradients import _GradFolding
-from mixprec.masters.guard import (SIXTEEN, added_without_master, built_over_16bit, check_masters_state, install_guard,
+from mixprec.masters.guard import (added_without_master, built_over_16bit, check_masters_state, install_guard,
                                    unfrozen_after_prepare)
 from mixprec.masters.kernels import KernelSet
 from mixprec.masters.rules import ParamRule, fp32_param_names
@@ -264,7 +264,7 @@ class MasterWeights(_GradFolding):
                 for p in group["params"]:
                     if id(p) in self._by_param:
                         raise ValueError(built_over_16bit(self._by_param[id(p)].name, self.storage_dtype))
-                    if p.dtype in SIXTEEN and getattr(p, "_mixprec_role", None) is None:
+                    if is_floating_16bit(p.dtype) and getattr(p, "_mixprec_role", None) is None:
                         # a 16-bit parameter prepare never saw (a module added since, an add_param_group):
                         # the optimizer would step it in 16 bits, without a master
                         raise ValueError(added_without_master(p, opt))

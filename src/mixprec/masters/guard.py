@@ -21,9 +21,6 @@ import torch
 from mixprec.formats import get_format
 
 
-SIXTEEN = (torch.bfloat16, torch.float16)
-
-
 def added_without_master(p: torch.Tensor, opt: torch.optim.Optimizer) -> str:
     shape = "x".join(map(str, p.shape)) or "scalar"
     return (
