@@ -112,6 +112,27 @@ def _writes_in_place(func: Any) -> bool:
     return hit
 
 
+_FUNC_INFO: dict[Any, tuple[str, bool, bool, bool]] = {}
+
+
+def _func_info(func: Any) -> tuple[str, bool, bool, bool]:
+    """What the op mode asks of every call, in one dict lookup: (short name, a pass-through op,
+    writes into its first argument by its name, may take ``inplace`` as its last positional argument)."""
+    try:
+        hit = _FUNC_INFO.get(func)
+    except TypeError:  # an unhashable callable
+        hit = None
+    if hit is None:
+        name = _cached_op_name(func)
+        hit = (name, name in PASS_THROUGH, _writes_in_place(func), name in _INPLACE_FLAG)
+        if len(_FUNC_INFO) < 4096:  # bounded, as _OP_NAMES
+            try:
+                _FUNC_INFO[func] = hit
+            except TypeError:
+                pass
+    return hit
+
+
 def _force_inplace(stats: StatsBuffer, args: tuple, kwargs: dict) -> None:
     if args and isinstance(args[0], torch.Tensor):
         stats.force(args[0])
