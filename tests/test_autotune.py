@@ -219,3 +219,23 @@ def test_measurements_really_measure_and_fit_the_cache(tmp_path, monkeypatch):
     assert res["fp32_s"] > 0 and res["bf16_s"] > 0 and att["fp32_s"] > 0 and att["low_s"] > 0
     assert autotune.attention_choice(sig, torch.device("cpu")) in ("fp32", "recipe")
     assert json.loads((tmp_path / "autotune.json").read_text())["schema"] == autotune.SCHEMA
+
+
+@pytest.mark.parametrize("method", [None, autotune.METHOD - 1, "v9"], ids=["none", "older", "foreign"])
+def test_an_entry_measured_by_another_method_is_measured_again_with_a_note(cache, method):
+    path, calls, _ = cache
+    key = f"{autotune.machine_key(torch.device('cpu'))} || compute: bf16 autocast vs fp32, linear 512x256->1024 fwd+bwd"
+    entry = {"result": {"bf16_s": 9.0, "fp32_s": 1.0}, "measured": "2020-01-01T00:00:00"}  # said fp32
+    if method is not None:
+        entry["method"] = method
+    path.write_text(json.dumps({"schema": autotune.SCHEMA, "entries": {key: entry}}))
+    with pytest.warns(RuntimeWarning, match=f"measured by .*method {autotune.METHOD}, so it measures again"):
+        r = mixprec.resolve_recipe("auto", "cpu")
+    assert calls["compute"] == 1 and r.name == "bf16-mixed" and "measured 2.00x" in r.reason  # the fresh number
+    saved = json.loads(path.read_text())["entries"][key]
+    assert saved["method"] == autotune.METHOD and saved["result"] == {"bf16_s": 1.0, "fp32_s": 2.0}
+    autotune._MEMO.clear()  # a new process: the replaced entry is this method's, and is used without a word
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert "measured earlier 2.00x" in mixprec.resolve_recipe("auto", "cpu").reason
+    assert calls["compute"] == 1

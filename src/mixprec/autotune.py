@@ -16,7 +16,9 @@ faster, yet torch's bf16 attention kernel is slower than its fp32 one there (doc
 ``$XDG_CACHE_HOME/mixprec``, else ``~/.cache/mixprec``). Each entry is keyed by the machine (CPU
 model, its SIMD flags, torch's CPU kernel level, torch version, torch threads; the GPU's name and
 capability on CUDA) and by what was measured: another torch, another thread count or another CPU
-measures again, it never reuses a number taken elsewhere. Writes go to a temporary file in the same
+measures again, it never reuses a number taken elsewhere. Each entry names the version of the
+measuring method (``METHOD``): an entry of another method, or of none, is measured again with one
+warning, never reused. Writes go to a temporary file in the same
 directory, then replace the cache (``os.replace``: atomic; a process killed mid-write leaves the old
 file). A file that is not valid JSON, or not this schema, is ignored with one warning (and replaced
 at the next write), never a crash; so is an entry whose times are not positive numbers (measured
@@ -46,6 +48,10 @@ import torch
 from mixprec._files import write_aside
 
 SCHEMA = 1
+# The version of the measuring method (the workloads of ``measure_compute``/``measure_attention`` and
+# ``_timeit``'s rule). Bump it whenever either changes what a number means: an entry of another method
+# (or of none: written before entries carried one) is measured again, with a note, never reused.
+METHOD = 2
 ENV_DIR, ENV_MODE = "MIXPREC_CACHE_DIR", "MIXPREC_AUTOTUNE"
 MODES = ("on", "off", "refresh")
 MIN_GAIN = 1.05  # a choice other than the plain one must win by this much (noise, and the casts it adds)
@@ -166,11 +172,18 @@ def lookup(what: str, device: torch.device, measure: Callable[[], dict[str, Any]
                 warnings.warn(f"mixprec: ignoring a malformed entry of the autotune cache {path} ({what}: "
                               f"{str(hit)[:120]}); measuring again (the entry is replaced)", RuntimeWarning, stacklevel=4)
             hit = None
+        if hit is not None and hit.get("method") != METHOD:
+            if ("method", str(path)) not in _WARNED:
+                _WARNED.add(("method", str(path)))
+                warnings.warn(f"mixprec: the autotune cache {path} holds {what!r} measured by "
+                              f"{_method_name(hit.get('method'))}; this mixprec measures by method {METHOD}, "
+                              "so it measures again (the entry is replaced)", RuntimeWarning, stacklevel=4)
+            hit = None
     if isinstance(hit, dict) and "result" in hit:
         _MEMO[(str(path), machine, what)] = hit
         return hit["result"], "cached"
     result = measure()
-    entry = {"result": result, "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "load": _load()}
+    entry = {"result": result, "method": METHOD, "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "load": _load()}
     _MEMO[(str(path), machine, what)] = entry
     if entry["load"] is not None and entry["load"] > (os.cpu_count() or 1):
         # more runnable processes than CPUs: a number taken now may say more about the others than
@@ -190,6 +203,10 @@ def lookup(what: str, device: torch.device, measure: Callable[[], dict[str, Any]
                           f"process only. Set {ENV_DIR} to a writable directory.", RuntimeWarning, stacklevel=3)
         return result, f"not cached: cannot write {path} ({e.strerror or e})"
     return result, "measured"
+
+
+def _method_name(method: Any) -> str:
+    return "an older method (the entry names none)" if method is None else f"method {str(method)[:20]}"
 
 
 def _load() -> float | None:
