@@ -218,3 +218,66 @@ def test_two_optimizers_with_16bit_storage_are_refused():
 def test_precision_name_seen_by_lightning():
     assert [MixprecPrecision(r).precision for r in ("fp32", "bf16-mixed", "fp16-mixed", "bf16-true", "fp16-true")] == [
         "32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true"]
+
+
+class ManualEpochInterval(Regression):
+    """Manual optimization, the scheduler returned as Lightning's docs show ([opt], [sched]: interval
+    "epoch"), stepped by the user after every optimizer step, or at the epoch's end."""
+
+    def __init__(self, per_step: bool) -> None:
+        super().__init__(manual=True)
+        self.per_step = per_step
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        opt = self.optimizers()
+        self.manual_backward(F.mse_loss(self(x), y))
+        opt.step()
+        opt.zero_grad()
+        if self.per_step:
+            self.lr_schedulers().step()
+
+    def on_train_epoch_end(self):
+        if not self.per_step:
+            self.lr_schedulers().step()
+
+    def configure_optimizers(self):
+        opt = make_optimizer(self.parameters())
+        return [opt], [make_scheduler(opt)]
+
+
+def test_manual_optimization_says_when_an_unheld_scheduler_advances_after_a_skipped_step():
+    data = make_data(overflow_at=(5,))
+    plugin = MixprecPrecision("fp16-mixed")
+    trainer = L.Trainer(plugins=[plugin], max_epochs=1, accelerator="cpu", devices=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    with pytest.warns(RuntimeWarning, match=r"manual optimization a StepLR was stepped right after an optimizer step "
+                                            r"the loss scaler skipped .* \"interval\": \"step\""):
+        trainer.fit(ManualEpochInterval(per_step=True), DataLoader(TensorDataset(*data), batch_size=BATCH))
+    assert trainer.lr_scheduler_configs[0].scheduler.last_epoch == 30  # stepped as the user asked, and said
+    # an epoch schedule stepped at the epoch's end is as intended: nothing said
+    plugin = MixprecPrecision("fp16-mixed")
+    trainer = L.Trainer(plugins=[plugin], max_epochs=1, accelerator="cpu", devices=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(ManualEpochInterval(per_step=False), DataLoader(TensorDataset(*data), batch_size=BATCH))
+    assert not [w for w in caught if "loss scaler skipped" in str(w.message)]
+    assert trainer.lr_scheduler_configs[0].scheduler.last_epoch == 1
+
+
+def test_manual_optimization_resume_keeps_the_scaler_and_the_schedule_position(tmp_path):
+    data = make_data(overflow_at=(5, 12))
+    _, straight = fit(MixprecPrecision("fp16-mixed"), data, model=Regression(manual=True), epochs=2)
+    first, _ = fit(MixprecPrecision("fp16-mixed"), data, model=Regression(manual=True), epochs=1)
+    first_sched = first.lr_scheduler_configs[0].scheduler
+    ckpt = tmp_path / "manual.ckpt"
+    first.save_checkpoint(ckpt)
+    plugin = MixprecPrecision("fp16-mixed")
+    resumed_trainer, resumed = fit(plugin, data, model=Regression(manual=True), epochs=2, ckpt_path=ckpt)
+    assert bitwise(torch.stack(resumed.losses), torch.stack(straight.losses[30:]))  # the scale was applied, skips too
+    assert params_equal(resumed.net, straight.net)
+    assert float(plugin.last_stats.scale) == float(plugin.mp.scaler.get_scale())
+    sched = resumed_trainer.lr_scheduler_configs[0].scheduler
+    # the position is the checkpoint's (held steps of both runs left out); `held` counts this fit's only
+    assert sched.last_epoch == 60 - first_sched.held - sched.held and first_sched.held >= 2 and sched.held >= 2

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -84,21 +84,30 @@ class SkipAwareScheduler:
     Everything else (``get_last_lr``, ``optimizer``, ``state_dict``...) is the wrapped scheduler's.
     Deciding costs no extra host sync after an unfused step (the scaler knows it on the host).
 
+    ``hold=False`` (a scheduler whose cadence is not known: Lightning's manual optimization with
+    ``"interval": "epoch"``) steps it anyway and calls ``note()`` instead, which says so.
+
     Attributes: ``scheduler`` (the wrapped one), ``held`` (how many steps were held back).
     """
 
-    def __init__(self, scheduler: Any, mp: MixedPrecision) -> None:
+    def __init__(self, scheduler: Any, mp: MixedPrecision, *, hold: bool = True,
+                 note: Callable[[], None] | None = None) -> None:
         if isinstance(scheduler, SkipAwareScheduler):
             scheduler = scheduler.scheduler
         self.__dict__["scheduler"] = scheduler
         self.__dict__["mp"] = mp
         self.__dict__["held"] = 0
+        self.__dict__["_hold"] = hold
+        self.__dict__["_note"] = note
 
     def step(self, *args: Any, **kwargs: Any) -> Any:
         scaler = self.mp.scaler
         if scaler.is_enabled() and scaler.was_skipped():
-            self.__dict__["held"] += 1
-            return None
+            if self.__dict__["_hold"]:
+                self.__dict__["held"] += 1
+                return None
+            if self.__dict__["_note"] is not None:
+                self.__dict__["_note"]()
         return self.scheduler.step(*args, **kwargs)
 
     def state_dict(self) -> dict[str, Any]:

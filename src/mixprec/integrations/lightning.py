@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -109,6 +110,9 @@ class MixprecPrecision(Precision):
         self._ready = False  # boundary reached and gradients unscaled for the coming step
         self._grad_norm: torch.Tensor | None = None
         self._load_state = True  # on_load_checkpoint: whether the checkpoint's mixprec state is loaded
+        self._in_train_step = False  # inside Lightning's training_step
+        self._stepped_in_train_step = False  # and an optimizer step ran in it
+        self._noted: set[str] = set()  # schedulers already said to advance after a skipped step
 
     def __repr__(self) -> str:
         return f"MixprecPrecision({self.mp.recipe.name!r}, device={str(self.mp.device)!r})"
@@ -154,12 +158,41 @@ class MixprecPrecision(Precision):
             )
         rebind_to_masters(self.mp, optimizers)
         self._optimizers = list(optimizers)
-        configs = [
-            dataclasses.replace(c, scheduler=SkipAwareScheduler(c.scheduler, self.mp))
-            if getattr(c, "interval", None) == "step" and not isinstance(c.scheduler, SkipAwareScheduler) else c
-            for c in lr_schedulers
-        ]
+        manual = not getattr(model, "automatic_optimization", True)
+        configs = []
+        for c in lr_schedulers:
+            if not isinstance(c.scheduler, SkipAwareScheduler):
+                if getattr(c, "interval", None) == "step":
+                    c = dataclasses.replace(c, scheduler=SkipAwareScheduler(c.scheduler, self.mp))
+                elif manual:  # the user steps it, at a cadence Lightning does not know: said, not guessed
+                    c = dataclasses.replace(c, scheduler=SkipAwareScheduler(
+                        c.scheduler, self.mp, hold=False, note=self._unheld_note(type(c.scheduler).__name__)))
+            configs.append(c)
         return model, optimizers, configs
+
+    def _unheld_note(self, name: str) -> Callable[[], None]:
+        def note() -> None:
+            if not (self._in_train_step and self._stepped_in_train_step) or name in self._noted:
+                return
+            self._noted.add(name)
+            warnings.warn(
+                f"MixprecPrecision: in manual optimization a {name} was stepped right after an optimizer step the "
+                "loss scaler skipped (fp16 overflow), and it advanced. If you step it once per optimizer step, "
+                "return it from configure_optimizers with \"interval\": \"step\" ({\"scheduler\": sched, "
+                "\"interval\": \"step\"}): the plugin then holds it on a skipped step, as mp.step does. If it "
+                "is an epoch schedule stepped at the epoch's last batch, this is as intended.",
+                RuntimeWarning, stacklevel=3)
+        return note
+
+    @contextlib.contextmanager
+    def train_step_context(self) -> Any:
+        """Lightning's training_step (in manual optimization: where the user steps optimizers and schedulers)."""
+        self._in_train_step, self._stepped_in_train_step = True, False
+        try:
+            with super().train_step_context():
+                yield
+        finally:
+            self._in_train_step = self._stepped_in_train_step = False
 
     # ------------------------------------------------------------------ forward and backward
 
@@ -218,6 +251,7 @@ class MixprecPrecision(Precision):
         stats = self.mp.optimizer_step([optimizer], loss=loss, grad_norm=grad_norm)
         self._ready, self._grad_norm = False, None
         self._record(stats)
+        self._stepped_in_train_step = self._in_train_step
         return closure_result
 
     def clip_gradients(self, optimizer: torch.optim.Optimizer, clip_val: int | float = 0.0,
