@@ -4,6 +4,8 @@
 ``raise``: rank 1's building of the state raises before the save's first collective (every rank must
 get the same ``CheckpointError`` naming rank 1, at once, and training goes on). Each rank prints
 ``rank R: <what save_checkpoint raised or did>``.
+``badarg``: rank 1 alone passes ``keep=0`` to the save, then ``checksums="no"`` to a load (every rank must
+get the same ``CheckpointError`` naming rank 1, not a hang). ``paths``: each rank is given its own path.
 """
 
 from __future__ import annotations
@@ -22,6 +24,25 @@ from mixprec.distributed import save_checkpoint
 RANK, WORLD = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 
 
+def _arguments(case: str, root: Path, mp, model, opt) -> int:
+    from mixprec.distributed import load_checkpoint
+
+    keep = 0 if RANK == 1 and case == "badarg" else None
+    where = root / f"rank{RANK}" if case == "paths" else root
+    for doing, call in (("save", lambda: save_checkpoint(where, model=model, optimizer=opt, mp=mp, keep=keep)),
+                        ("load", lambda: load_checkpoint(where, model=model, optimizer=opt, mp=mp,
+                                                         checksums="no" if keep == 0 else True))):
+        try:
+            call()
+            print(f"rank {RANK}: {doing}: done", flush=True)
+        except Exception as e:
+            print(f"rank {RANK}: {doing}: {type(e).__name__}: {e}", flush=True)
+    save_checkpoint(root / "after", model=model, optimizer=opt, mp=mp)  # still in step
+    print(f"rank {RANK}: saved after the refused calls", flush=True)
+    dist.destroy_process_group()
+    return 0
+
+
 def main() -> int:
     case, root = sys.argv[1], Path(sys.argv[2])
     dist.init_process_group("gloo", init_method=os.environ["MIXPREC_DIST_INIT"], rank=RANK, world_size=WORLD,
@@ -35,6 +56,8 @@ def main() -> int:
         def bad(*args, **kwargs):
             raise RuntimeError("injected: building the state failed on rank 1")
         ck._state = bad
+    if case in ("badarg", "paths"):
+        return _arguments(case, root, mp, model, opt)
     try:
         save_checkpoint(root, model=model, optimizer=opt, mp=mp)
         print(f"rank {RANK}: saved", flush=True)

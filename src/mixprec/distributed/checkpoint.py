@@ -47,45 +47,13 @@ from torch import nn
 
 from mixprec.distributed import checkpoint_checks as checks
 from mixprec.distributed import checkpoint_layout as layout
+from mixprec.distributed.checkpoint_agree import (_all_gather, _first_line, _no_dist, _peer_gone, _rank_world,
+                                                  _require_same_replicas, agree_on_arguments)
 from mixprec.distributed.checkpoint_layout import CheckpointError
 
 VERSION = 1
 
 __all__ = ["CheckpointError", "load_checkpoint", "save_checkpoint"]
-
-
-def _no_dist() -> bool:
-    import torch.distributed as dist
-
-    return not (dist.is_available() and dist.is_initialized())
-
-
-def _rank_world() -> tuple[int, int]:
-    import torch.distributed as dist
-
-    return (0, 1) if _no_dist() else (dist.get_rank(), dist.get_world_size())
-
-
-def _all_gather(obj: Any) -> list[Any]:
-    import torch.distributed as dist
-
-    if _no_dist():
-        return [obj]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def _peer_gone(rank: int, from_rank0: bool = True) -> str:
-    """Who stopped, as a rank can tell when a collective fails: in rank 0's broadcast, rank 0 (on the others);
-    otherwise another rank (named when there is only one other)."""
-    if rank != 0 and from_rank0:
-        return "rank 0 stopped before saying it was done"
-    _, world = _rank_world()
-    others = [r for r in range(world) if r != rank]
-    who = f"rank {others[0]}" if len(others) == 1 else "one of the other ranks"
-    return (f"another rank ({who}) stopped before taking part: it died, or raised before this collective (its own "
-            "error says why)")
 
 
 def _state_on_every_rank(root: Path, model: nn.Module, opts: Sequence[torch.optim.Optimizer], mp: Any,
@@ -114,42 +82,6 @@ def _state_on_every_rank(root: Path, model: nn.Module, opts: Sequence[torch.opti
         raise CheckpointError(f"saving into {root} failed before anything was written ({said}). Nothing was "
                               f"written: {root}/latest still names the previous checkpoint") from cause
     return state  # type: ignore[return-value]
-
-
-def _require_same_replicas(root: Path, state: dict[str, Any]) -> None:
-    """Several ranks, and a model ``mp`` did not prepare with ``parallel=``: DCP writes a plain tensor
-    once, rank 0's, taking the ranks to hold the same one. Every plain tensor (and blob) of the model's
-    and mixprec's parts of ``state`` they all have is compared bitwise (a digest per entry, one ``all_gather_object``); if they differ,
-    every rank raises the same ``CheckpointError`` before anything is written. (Keys that only some
-    ranks hold, a pipeline stage's, are their own; DTensors are shards.)"""
-    import hashlib
-
-    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-
-    # The model's tensors and mixprec's (scale, steps, masters) are compared, not the optimizer's
-    # state: replicas that trained apart differ in their weights already, and the optimizer state
-    # (two fp32 moments per parameter under Adam) would more than double the bytes read per save.
-    flat, _ = flatten_state_dict({k: v for k, v in state.items() if k in ("model", "mixprec")})
-    mine: dict[str, str] = {}
-    for key, value in flat.items():
-        if isinstance(value, torch.Tensor) and not hasattr(value, "to_local"):
-            t = value.detach().cpu().contiguous()
-            digest = hashlib.sha1(repr((t.dtype, tuple(t.shape))).encode())
-            if t.numel():
-                digest.update(t.reshape(-1).view(torch.uint8).numpy())  # (the bytes in place, not a copy)
-            mine[key] = digest.hexdigest()
-        elif isinstance(value, bytes):
-            mine[key] = hashlib.sha1(value).hexdigest()
-    gathered = _all_gather(mine)
-    differ = sorted(k for k in mine if len({g.get(k, mine[k]) for g in gathered}) > 1)
-    if differ:
-        shown = ", ".join(differ[:3]) + (f" and {len(differ) - 3} more" if len(differ) > 3 else "")
-        raise CheckpointError(
-            f"saving into {root}: the {len(gathered)} ranks hold different values of {shown}, and a checkpoint keeps "
-            "one copy of a replicated tensor (rank 0's): the ranks trained apart (or keep state of their own). "
-            "This MixedPrecision did not prepare the model for several ranks: use mp.prepare(model, "
-            f"parallel='ddp' or 'fsdp') so that they train one model. Nothing was written: {root}/latest still "
-            "names the previous checkpoint")
 
 
 def _agreed(fn: Callable[..., Any], *args: Any) -> Any:
@@ -219,16 +151,6 @@ def _failures(e: Any) -> str:
     parts = [f"on rank {rank}: {type(exc).__name__}: {_first_line(exc)}"
              for rank, (exc, _trace) in sorted(getattr(e, "failures", {}).items())]
     return "; ".join(parts) or _first_line(e)
-
-
-def _first_line(e: BaseException, limit: int = 400) -> str:
-    """The first line of an exception's message, cut at a sentence end when it is long."""
-    lines = str(e).strip().splitlines()
-    line = lines[0] if lines else ""
-    if len(line) <= limit:
-        return line
-    end = line.rfind(". ", 0, limit)
-    return line[: end + 1] if end > 0 else line[:limit] + "..."
 
 
 def _describe_failure(e: BaseException) -> str:
@@ -336,13 +258,20 @@ def save_checkpoint(path: str | Path, *, model: nn.Module, optimizer: Any, mp: A
 
     from mixprec.distributed import checkpoint_io
 
-    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
-        raise ValueError(f"keep must be a positive integer (how many checkpoints to keep) or None (all), got {keep!r}")
-    _check_args(model, mp, scheduler)
-    opts = _opts(optimizer)
-    if mp._dist is not None:  # replicas that went apart (a DesyncError) would be saved as a mix: refused on every rank
-        mp._dist.require_consistent()
+    def arguments() -> list[torch.optim.Optimizer]:
+        if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+            raise ValueError(f"keep must be a positive integer (how many checkpoints to keep) or None (all), got "
+                             f"{keep!r}")
+        _check_args(model, mp, scheduler)
+        return _opts(optimizer)
+
+    consistent = getattr(getattr(mp, "_dist", None), "require_consistent", None)
+    if consistent is not None:  # (a broken rank starts no collective; replicas that went apart would be saved as a mix)
+        consistent()
     root, (rank, world) = Path(path), _rank_world()
+    # (on every rank alike: one rank's bad argument would leave the others waiting in the first collective)
+    opts = agree_on_arguments("saving into", path, arguments, "Nothing was written: 'latest' still names the previous "
+                              "checkpoint")
     state = _state_on_every_rank(root, model, opts, mp, scheduler)  # (raises inside an accumulation window)
     if mp._dist is None and world > 1:  # (the same on every rank: a collective)
         _require_same_replicas(root, state)
@@ -424,10 +353,14 @@ def load_checkpoint(path: str | Path, *, model: nn.Module, optimizer: Any, mp: A
     reads every file once more, split over the ranks, before DCP reads it)."""
     import torch.distributed.checkpoint as dcp
 
-    _check_args(model, mp, scheduler)
-    if not isinstance(checksums, bool):  # ("no" is truthy: it checked every CRC)
-        raise TypeError(f"checksums must be True (check each file's CRC-32) or False (sizes only), got {checksums!r}")
-    opts = _opts(optimizer)
+    def arguments() -> list[torch.optim.Optimizer]:
+        _check_args(model, mp, scheduler)
+        if not isinstance(checksums, bool):  # ("no" is truthy: it checked every CRC)
+            raise TypeError(f"checksums must be True (check each file's CRC-32) or False (sizes only), got "
+                            f"{checksums!r}")
+        return _opts(optimizer)
+
+    opts = agree_on_arguments("loading", path, arguments, "Nothing was loaded")  # (on every rank alike)
     rank, world = _rank_world()
 
     def whole() -> Path:  # which checkpoint, and is it whole (every rank stats every file, checksums its share)
