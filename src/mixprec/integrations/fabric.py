@@ -44,7 +44,8 @@ while some gradients are still 16-bit and waiting for their bucket. Use
 
 Checkpoints: put the plugin in Fabric's state, ``fabric.save(path, {"model": model,
 "optimizer": optimizer, "mixprec": precision})``, and ``fabric.load(path, state)`` restores it.
-Resume is then bitwise. With a 16-bit storage recipe, call ``precision.connect(optimizer)``
+Resume is then bitwise; saving inside an accumulation window is refused (its gradients are not
+saved). With a 16-bit storage recipe, call ``precision.connect(optimizer)``
 before ``fabric.load``: the saved optimizer state belongs to the fp32 masters.
 
 One device only (Fabric's default single-device strategy): for DDP or FSDP2 use
@@ -232,6 +233,12 @@ class MixprecFabricPrecision(FabricPrecision):
     # ------------------------------------------------------------------ state
 
     def state_dict(self) -> dict[str, Any]:
+        if self._backwards:  # (as mp.state_dict() refuses inside its own window)
+            raise RuntimeError(
+                f"fabric.save inside an accumulation window ({self._backwards} fabric.backward call(s) since the last "
+                "optimizer.step()): the gradients accumulated so far live in .grad (and, for 16-bit storage, on the "
+                "fp32 masters) and are not saved, so a resumed run would start this window over and diverge. "
+                "Save after optimizer.step().")
         return self.mp.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -32,7 +32,8 @@ methods (``MixprecTrainerMixin`` holds them, for your own ``Trainer`` subclass:
   ``train(resume_from_checkpoint=...)`` before the Trainer loads the checkpoint, applied as training begins.
 
 Refused with a message: ``TrainingArguments(fp16=True)`` / ``bf16=True`` (Accelerate's own mixed
-precision: mixprec runs the recipe), several processes, DeepSpeed, FSDP, ``model_init``.
+precision: mixprec runs the recipe), ``accumulate=`` (the Trainer's ``gradient_accumulation_steps``
+is the window), several processes, DeepSpeed, FSDP, ``model_init``.
 Tested with transformers 5.24 and accelerate 1.15 on one device.
 """
 
@@ -235,6 +236,12 @@ class MixprecTrainerMixin:
             self.mp = MixedPrecision(mixprec, mine.device, **{"track_grad_norm": True, **(mixprec_options or {})})
         if self.mp.device.type != mine.device.type:
             raise ValueError(f"the MixedPrecision runs on {self.mp.device}, the Trainer on {mine.device}; use one device")
+        if self.mp.accumulate != 1:  # (the Trainer steps per its own window: it was ignored)
+            raise ValueError(
+                f"MixprecTrainer takes no accumulate= (got accumulate={self.mp.accumulate}): the Trainer owns "
+                "gradient accumulation and steps every gradient_accumulation_steps batches, whatever accumulate= "
+                f"says. Pass TrainingArguments(gradient_accumulation_steps={self.mp.accumulate}) instead, and "
+                "drop accumulate= from the mixprec options.")
         super().__init__(*args, **kwargs)
         self._refuse_setup()
         self.model = self.mp.prepare(self.model)
